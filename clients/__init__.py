@@ -1,0 +1,1 @@
+"""Client side: the Flower ClientApp and the message format it speaks."""

@@ -1,0 +1,100 @@
+"""The wire format between the server's strategy and the ClientApp.
+
+Server → client (TRAIN): ``arrays`` (the global model's weights), ``config`` (a
+ConfigRecord with the node's role, domain, shard, training settings, and how to rebuild the
+model and tokenizer: ``model-config-json``, ``tokenizer-json``).
+Client → server: ``task_vector`` and ``fisher`` (ArrayRecords keyed by model parameter
+names), ``metrics`` (MetricRecord) and ``info`` (ConfigRecord: role, domain, objective).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+from fedunlearn.merging import ClientUpdate
+
+
+def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
+    """Config entries that let a client rebuild the model skeleton and tokenizer offline."""
+    return {
+        "model-config-json": model.config.to_json_string(use_diff=False),
+        "tokenizer-json": tokenizer.backend_tokenizer.to_str(),
+        "tokenizer-eos": tokenizer.eos_token,
+        "tokenizer-pad": tokenizer.pad_token,
+    }
+
+
+def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
+    """Model skeleton from ``model-config-json`` filled with the received weights."""
+    spec = json.loads(str(config["model-config-json"]))
+    model_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    state = arrays.to_torch_state_dict()
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    real_missing = [k for k in missing if k not in _tied_keys(model)]
+    if real_missing or unexpected:
+        raise ValueError(
+            f"received weights do not fit the model: missing {real_missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.eval()
+    return model
+
+
+def _tied_keys(model: PreTrainedModel) -> set[str]:
+    tied = getattr(model, "_tied_weights_keys", None) or []
+    return set(tied if isinstance(tied, list | tuple | set) else tied.keys())
+
+
+def rebuild_tokenizer(config: ConfigRecord) -> PreTrainedTokenizerFast:
+    """Tokenizer from ``tokenizer-json`` and its special tokens."""
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(str(config["tokenizer-json"])),
+        eos_token=str(config["tokenizer-eos"]),
+        pad_token=str(config["tokenizer-pad"]),
+    )
+
+
+def encode_client_reply(
+    *,
+    role: str,
+    domain: str,
+    objective: str,
+    num_examples: int,
+    task_vector: dict[str, torch.Tensor],
+    fisher: dict[str, torch.Tensor] | None,
+    metrics: dict[str, float],
+) -> RecordDict:
+    """Pack a client's summary (SPEC §1) into a reply RecordDict."""
+    content = RecordDict()
+    content["task_vector"] = ArrayRecord({k: v.contiguous() for k, v in task_vector.items()})
+    if fisher is not None:
+        content["fisher"] = ArrayRecord({k: v.contiguous() for k, v in fisher.items()})
+    content["metrics"] = MetricRecord({"num-examples": num_examples, **metrics})
+    content["info"] = ConfigRecord({"role": role, "domain": domain, "objective": objective})
+    return content
+
+
+def decode_client_reply(node_id: int, content: RecordDict) -> tuple[ClientUpdate, dict]:
+    """Unpack a reply into a ``ClientUpdate`` and its metrics; errors name the node."""
+    for key in ("task_vector", "metrics", "info"):
+        if key not in content:
+            raise ValueError(f"client {node_id}: reply has no {key!r} record")
+    info = content["info"]
+    metrics = dict(content["metrics"])
+    task_vector = content["task_vector"].to_torch_state_dict()
+    fisher = content["fisher"].to_torch_state_dict() if "fisher" in content else None
+    update = ClientUpdate(
+        node_id=node_id,
+        role=str(info["role"]),
+        domain=str(info["domain"]),
+        num_examples=int(metrics["num-examples"]),
+        task_vector=task_vector,
+        fisher=fisher,
+    )
+    return update, metrics

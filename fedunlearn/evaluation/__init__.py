@@ -1,0 +1,38 @@
+"""Evaluation: answer likelihoods, greedy generation and TOFU-style metrics (SPEC §5.1)."""
+
+from fedunlearn.evaluation.generation import greedy_generate
+from fedunlearn.evaluation.likelihood import answer_nll, answer_probability
+from fedunlearn.evaluation.tofu_metrics import (
+    evaluate_split,
+    evaluate_tofu,
+    exact_match,
+    forget_quality,
+    log_truth_ratio,
+    model_utility,
+    normalize_answer,
+    normalized_probability,
+    rouge_l_recall,
+    rouge_l_scores,
+    truth_ratio,
+    truth_ratio_from_nll,
+    truth_ratio_score,
+)
+
+__all__ = [
+    "answer_nll",
+    "answer_probability",
+    "evaluate_split",
+    "evaluate_tofu",
+    "exact_match",
+    "forget_quality",
+    "greedy_generate",
+    "log_truth_ratio",
+    "model_utility",
+    "normalize_answer",
+    "normalized_probability",
+    "rouge_l_recall",
+    "rouge_l_scores",
+    "truth_ratio",
+    "truth_ratio_from_nll",
+    "truth_ratio_score",
+]

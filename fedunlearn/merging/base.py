@@ -1,0 +1,190 @@
+"""Data types shared by every server-side merge, and the merge registry.
+
+A merge takes the summaries sent back by the clients (:class:`ClientUpdate`, SPEC §1) and
+returns one dense update per adapted weight (:class:`MergeResult`, SPEC §2).  Merges register
+themselves by name with :func:`register_merge`; a new merge lives in its own module and only
+needs an import line in ``fedunlearn/merging/__init__.py`` to become available through
+:func:`get_merge`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+ROLES: tuple[str, ...] = ("forget", "retain")
+
+
+def _describe(t: torch.Tensor) -> str:
+    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+
+
+def _check_tensor(node_id: int | str, kind: str, key: str, t: Any, *, nonneg: bool) -> None:
+    """Raise ``ValueError`` naming the client and tensor if ``t`` is not a finite float tensor."""
+    where = f"client {node_id!r}: {kind} tensor {key!r}"
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where} is a {type(t).__name__}, expected a torch.Tensor")
+    if not t.is_floating_point():
+        raise TypeError(f"{where} has non-floating dtype {t.dtype}")
+    if not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise ValueError(f"{where} contains {bad} non-finite value(s) (NaN or inf)")
+    if nonneg and bool((t < 0).any()):
+        bad = int((t < 0).sum())
+        raise ValueError(
+            f"{where} contains {bad} negative value(s); a Fisher diagonal must be >= 0"
+        )
+
+
+@dataclass
+class ClientUpdate:
+    """The one summary a client sends back after local training (SPEC §1).
+
+    Attributes:
+        node_id: identifier of the client (unique within one merge).
+        role: ``"forget"`` or ``"retain"``.
+        domain: forget domain ``g`` (e.g. ``"bio"``); FIRM pools forget clients by it.
+            Retain clients may leave it ``None``.
+        num_examples: number of local training examples.
+        task_vector: ``{param_name: Δθ}``, the dense adapter update ``s·B@A`` per weight.
+        fisher: ``{param_name: F̂}``, the raw empirical Fisher diagonal (same keys and shapes as
+            ``task_vector``), or ``None`` if the client did not compute it.
+
+    Construction validates the role, the tensors (floating point, finite, Fisher >= 0) and that
+    ``fisher`` matches ``task_vector`` key by key and shape by shape; every error message names
+    the client, the tensor and the problem.
+    """
+
+    node_id: int | str
+    role: str
+    domain: str | None
+    num_examples: int
+    task_vector: dict[str, torch.Tensor]
+    fisher: dict[str, torch.Tensor] | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check this update on its own (see the class docstring); raise on the first problem."""
+        nid = self.node_id
+        if self.role not in ROLES:
+            raise ValueError(f"client {nid!r}: role must be one of {ROLES}, got {self.role!r}")
+        if self.domain is not None and not isinstance(self.domain, str):
+            raise TypeError(
+                f"client {nid!r}: domain must be a str or None, got {type(self.domain).__name__}"
+            )
+        if isinstance(self.num_examples, bool) or not isinstance(self.num_examples, int):
+            raise TypeError(f"client {nid!r}: num_examples must be an int")
+        if self.num_examples < 0:
+            raise ValueError(f"client {nid!r}: num_examples must be >= 0, got {self.num_examples}")
+        if not isinstance(self.task_vector, dict) or not self.task_vector:
+            raise ValueError(f"client {nid!r}: task_vector must be a non-empty dict of tensors")
+        for key, tv in self.task_vector.items():
+            _check_tensor(nid, "task-vector", key, tv, nonneg=False)
+        if self.fisher is None:
+            return
+        if not isinstance(self.fisher, dict):
+            raise TypeError(f"client {nid!r}: fisher must be a dict of tensors or None")
+        missing = [k for k in self.task_vector if k not in self.fisher]
+        extra = [k for k in self.fisher if k not in self.task_vector]
+        if missing:
+            raise ValueError(f"client {nid!r}: fisher is missing tensor(s) {missing}")
+        if extra:
+            raise ValueError(f"client {nid!r}: fisher has tensor(s) {extra} with no task vector")
+        for key, fi in self.fisher.items():
+            _check_tensor(nid, "Fisher", key, fi, nonneg=True)
+            tv = self.task_vector[key]
+            if tuple(fi.shape) != tuple(tv.shape):
+                raise ValueError(
+                    f"client {nid!r}: Fisher tensor {key!r} has shape {tuple(fi.shape)} "
+                    f"but its task vector has shape {tuple(tv.shape)}"
+                )
+
+
+@dataclass
+class MergeResult:
+    """Output of a merge: the dense update per weight (θ ← θ₀ + Δ) and a JSON-able report."""
+
+    delta: dict[str, torch.Tensor]
+    report: dict
+
+
+def validate_updates(updates: Sequence[ClientUpdate]) -> list[str]:
+    """Check that all updates carry the same tensor keys with the same shapes.
+
+    Also checks that node ids are unique (as strings, since reports key by ``str(node_id)``).
+    Returns the keys in the order of the first update.  Errors name the client and the tensor.
+    """
+    if len(updates) == 0:
+        raise ValueError("no client updates to merge")
+    for u in updates:
+        if not isinstance(u, ClientUpdate):
+            raise TypeError(f"expected ClientUpdate objects, got {type(u).__name__}")
+    seen: dict[str, int | str] = {}
+    for u in updates:
+        sid = str(u.node_id)
+        if sid in seen:
+            raise ValueError(
+                f"duplicate node_id: clients {seen[sid]!r} and {u.node_id!r} share the id {sid!r}"
+            )
+        seen[sid] = u.node_id
+    ref = updates[0]
+    keys = list(ref.task_vector)
+    for u in updates[1:]:
+        missing = [k for k in keys if k not in u.task_vector]
+        extra = [k for k in u.task_vector if k not in ref.task_vector]
+        if missing:
+            raise ValueError(
+                f"client {u.node_id!r} is missing tensor(s) {missing} "
+                f"that client {ref.node_id!r} sent"
+            )
+        if extra:
+            raise ValueError(
+                f"client {u.node_id!r} sent tensor(s) {extra} "
+                f"that client {ref.node_id!r} did not send"
+            )
+        for k in keys:
+            a, b = ref.task_vector[k], u.task_vector[k]
+            if tuple(a.shape) != tuple(b.shape):
+                raise ValueError(
+                    f"client {u.node_id!r}: tensor {k!r} has {_describe(b)} "
+                    f"but client {ref.node_id!r} has {_describe(a)}"
+                )
+    return keys
+
+
+MergeFn = Callable[..., MergeResult]
+
+#: Registry of merge functions by name (filled by :func:`register_merge`).
+MERGES: dict[str, MergeFn] = {}
+
+
+def register_merge(name: str) -> Callable[[MergeFn], MergeFn]:
+    """Decorator registering a merge function under ``name``; a duplicate name is an error."""
+    if not isinstance(name, str) or not name:
+        raise ValueError("a merge name must be a non-empty string")
+
+    def decorator(fn: MergeFn) -> MergeFn:
+        if name in MERGES:
+            raise ValueError(
+                f"a merge named {name!r} is already registered ({MERGES[name].__module__}."
+                f"{MERGES[name].__qualname__})"
+            )
+        MERGES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_merge(name: str) -> MergeFn:
+    """Return the merge function registered as ``name`` (``KeyError`` lists available names)."""
+    try:
+        return MERGES[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown merge {name!r}; available: {sorted(MERGES)}"
+        ) from None

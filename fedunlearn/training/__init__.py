@@ -1,0 +1,1 @@
+"""Training loops: full-model (substrate building) and LoRA (client-side unlearning)."""

@@ -1,0 +1,1 @@
+"""What people run: local simulations, sweeps, benchmarks and plots."""

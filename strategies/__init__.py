@@ -1,0 +1,1 @@
+"""Server side: Flower strategies around the fedunlearn merges, and the ServerApp."""

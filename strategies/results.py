@@ -1,0 +1,40 @@
+"""Turning run results into JSON and a short human-readable table."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+
+def json_safe(value: Any) -> Any:
+    """Recursively convert tensors, numpy scalars and non-finite floats for ``json.dumps``."""
+    if isinstance(value, Mapping):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, torch.Tensor):
+        return json_safe(value.tolist())
+    if hasattr(value, "item") and callable(value.item):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def format_summary_table(
+    metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]
+) -> str:
+    """A fixed-width table: one row per metric, one column per evaluated model."""
+    columns = [c for c in ("before", "after", "reference") if c in metrics]
+    width = max(len(n) for n in names) + 2
+    lines = [f"{'metric':<{width}}" + "".join(f"{c:>12}" for c in columns)]
+    for name in names:
+        cells = []
+        for column in columns:
+            value = metrics[column].get(name)
+            cells.append(f"{value:>12.4f}" if isinstance(value, int | float) else f"{'-':>12}")
+        lines.append(f"{name:<{width}}" + "".join(cells))
+    return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""The ServerApp: build or load the model, run the unlearning round, evaluate, write results."""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+import time
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.common.logger import log
+from flwr.serverapp import Grid, ServerApp
+
+from clients.messages import describe_model
+from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
+from fedunlearn.benchmarks.tofu_files import load_tofu_files
+from fedunlearn.evaluation import evaluate_tofu
+from fedunlearn.models.llama import load_local_causal_lm
+from fedunlearn.models.substrate import SubstrateConfig, load_substrate
+from fedunlearn.scenarios import tofu_assignments
+from strategies.merge_strategy import MergeStrategy
+from strategies.results import format_summary_table, json_safe
+from strategies.settings import RunSettings
+
+app = ServerApp()
+
+REPORTED_METRICS = (
+    "forget_rouge_l", "forget_exact_match", "forget_truth_ratio", "forget_quality",
+    "model_utility", "retain_rouge_l", "retain_exact_match",
+)
+
+
+def evaluation_splits(data: TofuData, settings: RunSettings) -> dict[str, list[dict]]:
+    """Forget split, a seeded retain sample, and the two never-forgotten sets."""
+    retain = data.retain_split(settings.forget_percent)
+    rng = random.Random(settings.seed + 7)
+    sample = rng.sample(retain, min(settings.eval_retain_samples, len(retain)))
+    return {
+        "forget": data.forget_split(settings.forget_percent),
+        "retain": sample,
+        "real_authors": data.real_authors,
+        "world_facts": data.world_facts,
+    }
+
+
+def _evaluate(name: str, model, tokenizer, splits, settings, reference_trs=None) -> dict:
+    started = time.perf_counter()
+    metrics = evaluate_tofu(
+        model, tokenizer, splits, reference_truth_ratios=reference_trs,
+        batch_size=settings.eval_batch_size, max_new_tokens=settings.eval_max_new_tokens,
+    )
+    log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
+    return metrics
+
+
+@app.main()
+def main(grid: Grid, context: Context) -> None:
+    """Run one federated unlearning request end to end."""
+    run_started = time.perf_counter()
+    settings = RunSettings.from_run_config(dict(context.run_config))
+    output_dir = settings.resolved_output_dir()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(settings.seed)
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    phases: dict[str, float] = {}
+
+    t0 = time.perf_counter()
+    reference = None
+    if settings.model_path:
+        model, tokenizer = load_local_causal_lm(settings.model_path)
+        data = (load_tofu_files(settings.data_path) if settings.data_path
+                else generate_tofu(settings.seed, settings.num_authors, settings.qa_per_author))
+        substrate_info: dict[str, Any] = {"model_path": settings.model_path}
+    else:
+        substrate = load_substrate(
+            SubstrateConfig(
+                seed=settings.seed, num_authors=settings.num_authors,
+                qa_per_author=settings.qa_per_author, forget_percent=settings.forget_percent,
+            ),
+            Path(settings.cache_dir).expanduser() if settings.cache_dir else None,
+        )
+        model, tokenizer, data = substrate.model, substrate.tokenizer, substrate.data
+        reference = substrate.reference_model
+        substrate_info = {"folder": str(substrate.folder), **substrate.info}
+    phases["model_load_or_build"] = time.perf_counter() - t0
+    log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
+
+    splits = evaluation_splits(data, settings)
+    t0 = time.perf_counter()
+    metrics: dict[str, Any] = {}
+    reference_trs = None
+    if reference is not None:
+        metrics["reference"] = _evaluate("reference", reference, tokenizer, splits, settings)
+        reference_trs = metrics["reference"]["forget_truth_ratios"]
+        metrics["reference"]["forget_quality"] = 1.0 if reference_trs else None
+    metrics["before"] = _evaluate("original", model, tokenizer, splits, settings, reference_trs)
+    phases["evaluation_before"] = time.perf_counter() - t0
+
+    assignments = tofu_assignments(
+        data, forget_percent=settings.forget_percent,
+        num_forget_clients=settings.num_forget_clients,
+        num_retain_clients=settings.num_retain_clients,
+        retain_samples=settings.retain_samples, seed=settings.seed,
+    )
+    client_config = {
+        **describe_model(model, tokenizer),
+        "objective": settings.objective, "batch-size": settings.batch_size,
+        "lora-rank": settings.lora_rank, "lora-alpha": settings.lora_alpha,
+        "lora-targets": settings.lora_targets, "fisher-batches": settings.fisher_batches,
+        "seed": settings.seed, "data-seed": settings.seed, "num-authors": settings.num_authors,
+        "qa-per-author": settings.qa_per_author, "data-path": settings.data_path,
+        "client-threads": settings.client_threads,
+    }
+    strategy = MergeStrategy(
+        merge=settings.strategy,
+        merge_kwargs={"gamma": settings.gamma, "alpha": settings.alpha,
+                      "eps0": settings.eps0, "epsilon": settings.epsilon},
+        assignments=assignments,
+        client_config=client_config,
+        role_config={
+            "forget": {"steps": settings.forget_steps, "lr": settings.forget_lr},
+            "retain": {"steps": settings.retain_steps, "lr": settings.retain_lr},
+        },
+        node_wait_timeout=settings.node_wait_timeout,
+    )
+    t0 = time.perf_counter()
+    result = strategy.start(
+        grid=grid,
+        initial_arrays=ArrayRecord(model.state_dict()),
+        num_rounds=settings.num_rounds,
+        timeout=settings.round_timeout,
+        train_config=ConfigRecord(),
+    )
+    phases["federated_round"] = time.perf_counter() - t0
+
+    unlearned = copy.deepcopy(model)
+    unlearned.load_state_dict(result.arrays.to_torch_state_dict())
+    t0 = time.perf_counter()
+    metrics["after"] = _evaluate("unlearned", unlearned, tokenizer, splits, settings, reference_trs)
+    phases["evaluation_after"] = time.perf_counter() - t0
+    phases["total"] = time.perf_counter() - run_started
+
+    results = {
+        "config": settings.as_dict(),
+        "metrics": metrics,
+        "clients": strategy.client_reports,
+        "merge": {
+            "method": settings.strategy,
+            "seconds": strategy.merge_seconds,
+            "report": strategy.last_merge.report if strategy.last_merge else None,
+        },
+        "substrate": substrate_info,
+        "assignments": [
+            {"role": a.role, "domain": a.domain, "num_examples": len(a.indices)}
+            for a in assignments
+        ],
+        "seconds": phases,
+    }
+    path = output_dir / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(json_safe(results), indent=2))
+    tmp.replace(path)
+    for line in format_summary_table(metrics, REPORTED_METRICS).splitlines():
+        log(INFO, "%s", line)
+    log(INFO, "results written to %s", path)

@@ -1,0 +1,115 @@
+"""The flat run config (``[tool.flwr.app.config]``) parsed into typed settings."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Every run-config key, with its default. Keys are the field names with ``-``."""
+
+    scenario: str = "tofu"
+    strategy: str = "firm"
+    seed: int = 0
+    num_rounds: int = 1
+    # benchmark / scenario
+    num_authors: int = 200
+    qa_per_author: int = 10
+    forget_percent: float = 1.0
+    num_forget_clients: int = 5
+    num_retain_clients: int = 1
+    retain_samples: int = 200
+    data_path: str = ""
+    # model
+    model_path: str = ""
+    cache_dir: str = ""
+    # local training
+    objective: str = "ga"
+    forget_steps: int = 12
+    forget_lr: float = 1e-3
+    retain_steps: int = 40
+    retain_lr: float = 1e-3
+    batch_size: int = 8
+    lora_rank: int = 16
+    lora_alpha: float = 32.0
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    fisher_batches: int = 20
+    client_threads: int = 1
+    # merge (FIRM)
+    gamma: float = 1.0
+    alpha: float = 0.1
+    eps0: float = 1e-8
+    epsilon: float = math.inf
+    # evaluation and output
+    eval_retain_samples: int = 200
+    eval_max_new_tokens: int = 32
+    eval_batch_size: int = 64
+    output_dir: str = ""
+    round_timeout: float = 3600.0
+    node_wait_timeout: float = 120.0
+
+    @classmethod
+    def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
+        """Parse Flower's run config; unknown keys and wrong types are clear errors."""
+        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        values: dict[str, Any] = {}
+        for key, raw in run_config.items():
+            if key not in known:
+                raise KeyError(f"unknown run-config key {key!r}; known: {', '.join(sorted(known))}")
+            field = known[key]
+            kind = type(field.default)
+            if kind is float and isinstance(raw, str) and raw.strip().lower() in ("inf", "infinity"):
+                value: Any = math.inf
+            elif kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
+                value = float(raw)
+            elif isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+                value = raw
+            else:
+                raise TypeError(
+                    f"run-config key {key!r} must be {kind.__name__}, got {raw!r}"
+                )
+            values[field.name] = value
+        settings = cls(**values)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.scenario != "tofu":
+            raise ValueError(f"scenario {self.scenario!r} is not available (available: tofu)")
+        if not 0 < self.forget_percent < 100:
+            raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
+        for name in ("num_rounds", "forget_steps", "retain_steps", "batch_size", "lora_rank",
+                     "fisher_batches", "num_forget_clients"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if self.epsilon <= 0:
+            raise ValueError(f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}")
+        if not 0 < self.alpha <= 1:
+            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+
+    @property
+    def num_clients(self) -> int:
+        return self.num_forget_clients + self.num_retain_clients
+
+    def resolved_output_dir(self) -> Path:
+        """Absolute output folder: ``output-dir`` or ``outputs/<timestamp>`` under the cwd."""
+        if self.output_dir:
+            path = Path(self.output_dir).expanduser()
+            if not path.is_absolute():
+                raise ValueError(
+                    f"output-dir must be an absolute path (the ServerApp's working folder is "
+                    f"wherever the SuperLink runs), got {self.output_dir!r}"
+                )
+            return path
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return (Path.cwd() / "outputs" / f"{self.scenario}-{self.strategy}-{stamp}").resolve()
+
+    def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return {k.replace("_", "-"): (str(v) if v == math.inf else v) for k, v in out.items()}
