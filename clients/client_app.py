@@ -47,7 +47,9 @@ def client_records(config: ConfigRecord, context: Context) -> list[dict]:
     """
     data_path = str(context.node_config.get("data-path", config.get("data-path", "")))
     data = _benchmark(
-        int(config["data-seed"]), int(config["num-authors"]), int(config["qa-per-author"]),
+        int(config["data-seed"]),
+        int(config["num-authors"]),
+        int(config["qa-per-author"]),
         data_path,
     )
     indices = [int(i) for i in config["indices"]]
@@ -78,7 +80,10 @@ def train(msg: Message, context: Context) -> Message:
     names = adapted_parameter_names(model, lora)
     t_fisher = time.perf_counter()
     fisher = empirical_fisher_diagonal(
-        model, examples, names, pad_token_id=tokenizer.pad_token_id,
+        model,
+        examples,
+        names,
+        pad_token_id=tokenizer.pad_token_id,
         num_batches=int(config["fisher-batches"]),
     )
     fisher_seconds = time.perf_counter() - t_fisher

@@ -23,6 +23,7 @@ import urllib.request
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+BIN_DIR = Path(sys.executable).parent
 DEFAULT_NUM_CLIENTS = {"num-forget-clients": 5, "num-retain-clients": 1}
 
 
@@ -46,17 +47,21 @@ def free_port() -> int:
 def flower_env(flwr_home: Path) -> dict[str, str]:
     """Environment for the Flower processes: offline, quiet, no runtime installs."""
     env = os.environ.copy()
-    env.update({
-        "FLWR_HOME": str(flwr_home),
-        "FLWR_TELEMETRY_ENABLED": "0",
-        "FLWR_DISABLE_UPDATE_CHECK": "1",
-        "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-        "RAY_DEDUP_LOGS": "0",
-    })
+    env.update(
+        {
+            "FLWR_HOME": str(flwr_home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "HF_DATASETS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "RAY_DEDUP_LOGS": "0",
+            # the Flower executables of this interpreter's environment, activated or not
+            "PATH": f"{BIN_DIR}{os.pathsep}{env.get('PATH', '')}",
+        }
+    )
     return env
 
 
@@ -65,16 +70,25 @@ def start_superlink(flwr_home: Path, env: dict[str, str]) -> tuple[subprocess.Po
     port, control = free_port(), free_port()
     log_file = flwr_home / "superlink.log"
     command = [
-        "flower-superlink",
-        "--insecure", "--simulation", "--isolation", "subprocess",
+        str(BIN_DIR / "flower-superlink"),
+        "--insecure",
+        "--simulation",
+        "--isolation",
+        "subprocess",
         "--disable-runtime-dependency-installation",
-        "--control-api-address", f"127.0.0.1:{control}",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--database", ":flwr-in-memory:",
+        "--control-api-address",
+        f"127.0.0.1:{control}",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--database",
+        ":flwr-in-memory:",
     ]
     with open(log_file, "ab") as log:
-        process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -104,8 +118,39 @@ def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
         process.wait(timeout=grace)
 
 
-def run(run_config: str = "", federation_config: str = "", output_dir: Path | None = None,
-        flwr_home: Path | None = None, cache_dir: Path | None = None) -> Path:
+def prepare_substrate(overrides: dict, cache_dir: Path) -> None:
+    """Build the built-in model substrate here, with progress bars, before Flower starts.
+
+    The ServerApp then finds it in the cache. Runs with ``model-path`` skip this.
+    """
+    from fedunlearn.models.substrate import ensure_substrate
+    from strategies.settings import RunSettings
+
+    defaults = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    config = {**defaults["tool"]["flwr"]["app"]["config"], **overrides}
+    settings = RunSettings.from_run_config(config)
+    if settings.model_path:
+        return
+    print(
+        "Preparing the built-in model substrate (built once, then cached in "
+        f"{cache_dir.resolve()})",
+        flush=True,
+    )
+    folder = ensure_substrate(settings.substrate_config(), cache_dir.resolve())
+    info = json.loads((folder / "build_info.json").read_text())
+    print(
+        f"substrate ready: {folder.name}, author recall {info['author_recall_exact_match']:.3f}",
+        flush=True,
+    )
+
+
+def run(
+    run_config: str = "",
+    federation_config: str = "",
+    output_dir: Path | None = None,
+    flwr_home: Path | None = None,
+    cache_dir: Path | None = None,
+) -> Path:
     """Run one scenario and return the path of its ``results.json``."""
     user = parse_config_pairs(run_config) if run_config else {}
     clients = sum(int(user.get(k, v)) for k, v in DEFAULT_NUM_CLIENTS.items())
@@ -113,10 +158,11 @@ def run(run_config: str = "", federation_config: str = "", output_dir: Path | No
     scenario, strategy = user.get("scenario", "tofu"), user.get("strategy", "firm")
     output_dir = (output_dir or REPO_ROOT / "outputs" / f"{scenario}-{strategy}-{stamp}").resolve()
     flwr_home = (flwr_home or REPO_ROOT / ".flwr_home").resolve()
-    cache_dir = (cache_dir or Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache")))
+    cache_dir = cache_dir or Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache"))
     flwr_home.mkdir(parents=True, exist_ok=True)
     env = flower_env(flwr_home)
     env["FEDUNLEARN_CACHE_DIR"] = str(cache_dir.resolve())
+    prepare_substrate(user, cache_dir)
     process, port = start_superlink(flwr_home, env)
     try:
         (flwr_home / "config.toml").write_text(
@@ -129,8 +175,17 @@ def run(run_config: str = "", federation_config: str = "", output_dir: Path | No
         federation = f"num-supernodes={clients} client-resources-num-cpus=1"
         if federation_config:
             federation += f" {federation_config}"
-        command = ["flwr", "run", str(REPO_ROOT), "fedunlearn-sim", "--stream",
-                   "--run-config", " ".join(overrides), "--federation-config", federation]
+        command = [
+            str(BIN_DIR / "flwr"),
+            "run",
+            str(REPO_ROOT),
+            "fedunlearn-sim",
+            "--stream",
+            "--run-config",
+            " ".join(overrides),
+            "--federation-config",
+            federation,
+        ]
         completed = subprocess.run(command, env=env, cwd=REPO_ROOT, check=False)
         results = output_dir / "results.json"
         if completed.returncode != 0 or not results.is_file():
@@ -145,11 +200,18 @@ def run(run_config: str = "", federation_config: str = "", output_dir: Path | No
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-config", default="", help="run-config overrides, e.g. \"gamma=2.0\"")
-    parser.add_argument("--federation-config", default="",
-                        help="simulation overrides, e.g. \"client-resources-num-cpus=2\"")
-    parser.add_argument("--output-dir", type=Path, default=None,
-                        help="where results.json goes (default outputs/<scenario>-<strategy>-<time>)")
+    parser.add_argument("--run-config", default="", help='run-config overrides, e.g. "gamma=2.0"')
+    parser.add_argument(
+        "--federation-config",
+        default="",
+        help='simulation overrides, e.g. "client-resources-num-cpus=2"',
+    )
+    parser.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="where results.json goes (default outputs/<scenario>-<strategy>-<time>)",
+    )
     args = parser.parse_args(argv)
     try:
         results = run(args.run_config, args.federation_config, args.output_dir)
@@ -159,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(results.read_text())
     from strategies.results import format_summary_table
     from strategies.server_app import REPORTED_METRICS
+
     print(format_summary_table(data["metrics"], REPORTED_METRICS))
     print(f"\nresults: {results}")
     return 0

@@ -84,8 +84,12 @@ class MergeStrategy(Strategy):
     def summary(self) -> None:
         roles = [a.role for a in self.assignments]
         log(INFO, "\t├── Merge: %s %s", self.merge, self.merge_kwargs)
-        log(INFO, "\t└── Clients: %d forget, %d retain",
-            roles.count("forget"), roles.count("retain"))
+        log(
+            INFO,
+            "\t└── Clients: %d forget, %d retain",
+            roles.count("forget"),
+            roles.count("retain"),
+        )
 
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
@@ -95,20 +99,26 @@ class MergeStrategy(Strategy):
         self.node_assignment = dict(zip(node_ids, self.assignments, strict=False))
         messages = []
         for position, (node_id, assignment) in enumerate(self.node_assignment.items()):
-            node_config = ConfigRecord({
-                **self.client_config,
-                **dict(config),
-                **self.role_config.get(assignment.role, {}),
-                "role": assignment.role,
-                "domain": assignment.domain,
-                "indices": list(assignment.indices),
-                "seed": int(self.client_config.get("seed", 0)) * 1000 + position,
-            })
+            node_config = ConfigRecord(
+                {
+                    **self.client_config,
+                    **dict(config),
+                    **self.role_config.get(assignment.role, {}),
+                    "role": assignment.role,
+                    "domain": assignment.domain,
+                    "indices": list(assignment.indices),
+                    "seed": int(self.client_config.get("seed", 0)) * 1000 + position,
+                }
+            )
             content = RecordDict({"arrays": arrays, "config": node_config})
-            messages.append(Message(
-                content=content, message_type=MessageType.TRAIN, dst_node_id=node_id,
-                group_id=str(server_round),
-            ))
+            messages.append(
+                Message(
+                    content=content,
+                    message_type=MessageType.TRAIN,
+                    dst_node_id=node_id,
+                    group_id=str(server_round),
+                )
+            )
         return messages
 
     def aggregate_train(
@@ -141,7 +151,9 @@ class MergeStrategy(Strategy):
                 continue
             updates.append(update)
             report.update(
-                role=update.role, domain=update.domain, num_examples=update.num_examples,
+                role=update.role,
+                domain=update.domain,
+                num_examples=update.num_examples,
                 bytes_sent=int(metrics.get("bytes-sent", 0)),
                 task_vector_norm=float(metrics.get("task-vector-norm", 0.0)),
                 seconds=float(metrics.get("total-seconds", 0.0)),
@@ -168,11 +180,13 @@ class MergeStrategy(Strategy):
             if key not in state:
                 raise KeyError(f"merge produced a delta for {key!r}, which the model does not have")
             state[key] = (state[key].float() + delta.float()).to(state[key].dtype)
-        metrics = MetricRecord({
-            "num-updates": len(updates),
-            "merge-seconds": self.merge_seconds,
-            "update-norm": float(result.report.get("norm_final", 0.0)),
-        })
+        metrics = MetricRecord(
+            {
+                "num-updates": len(updates),
+                "merge-seconds": self.merge_seconds,
+                "update-norm": float(result.report.get("norm_final", 0.0)),
+            }
+        )
         return ArrayRecord(state), metrics
 
     def configure_evaluate(
@@ -184,4 +198,3 @@ class MergeStrategy(Strategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> MetricRecord | None:
         return None
-

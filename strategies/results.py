@@ -24,9 +24,7 @@ def json_safe(value: Any) -> Any:
     return value
 
 
-def format_summary_table(
-    metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]
-) -> str:
+def format_summary_table(metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> str:
     """A fixed-width table: one row per metric, one column per evaluated model."""
     columns = [c for c in ("before", "after", "reference") if c in metrics]
     width = max(len(n) for n in names) + 2

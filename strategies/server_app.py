@@ -20,7 +20,7 @@ from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
 from fedunlearn.evaluation import evaluate_tofu
 from fedunlearn.models.llama import load_local_causal_lm
-from fedunlearn.models.substrate import SubstrateConfig, load_substrate
+from fedunlearn.models.substrate import load_substrate
 from fedunlearn.scenarios import tofu_assignments
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import format_summary_table, json_safe
@@ -29,8 +29,13 @@ from strategies.settings import RunSettings
 app = ServerApp()
 
 REPORTED_METRICS = (
-    "forget_rouge_l", "forget_exact_match", "forget_truth_ratio", "forget_quality",
-    "model_utility", "retain_rouge_l", "retain_exact_match",
+    "forget_rouge_l",
+    "forget_exact_match",
+    "forget_truth_ratio",
+    "forget_quality",
+    "model_utility",
+    "retain_rouge_l",
+    "retain_exact_match",
 )
 
 
@@ -50,8 +55,12 @@ def evaluation_splits(data: TofuData, settings: RunSettings) -> dict[str, list[d
 def _evaluate(name: str, model, tokenizer, splits, settings, reference_trs=None) -> dict:
     started = time.perf_counter()
     metrics = evaluate_tofu(
-        model, tokenizer, splits, reference_truth_ratios=reference_trs,
-        batch_size=settings.eval_batch_size, max_new_tokens=settings.eval_max_new_tokens,
+        model,
+        tokenizer,
+        splits,
+        reference_truth_ratios=reference_trs,
+        batch_size=settings.eval_batch_size,
+        max_new_tokens=settings.eval_max_new_tokens,
     )
     log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
     return metrics
@@ -72,15 +81,15 @@ def main(grid: Grid, context: Context) -> None:
     reference = None
     if settings.model_path:
         model, tokenizer = load_local_causal_lm(settings.model_path)
-        data = (load_tofu_files(settings.data_path) if settings.data_path
-                else generate_tofu(settings.seed, settings.num_authors, settings.qa_per_author))
+        data = (
+            load_tofu_files(settings.data_path)
+            if settings.data_path
+            else generate_tofu(settings.seed, settings.num_authors, settings.qa_per_author)
+        )
         substrate_info: dict[str, Any] = {"model_path": settings.model_path}
     else:
         substrate = load_substrate(
-            SubstrateConfig(
-                seed=settings.seed, num_authors=settings.num_authors,
-                qa_per_author=settings.qa_per_author, forget_percent=settings.forget_percent,
-            ),
+            settings.substrate_config(),
             Path(settings.cache_dir).expanduser() if settings.cache_dir else None,
         )
         model, tokenizer, data = substrate.model, substrate.tokenizer, substrate.data
@@ -101,24 +110,36 @@ def main(grid: Grid, context: Context) -> None:
     phases["evaluation_before"] = time.perf_counter() - t0
 
     assignments = tofu_assignments(
-        data, forget_percent=settings.forget_percent,
+        data,
+        forget_percent=settings.forget_percent,
         num_forget_clients=settings.num_forget_clients,
         num_retain_clients=settings.num_retain_clients,
-        retain_samples=settings.retain_samples, seed=settings.seed,
+        retain_samples=settings.retain_samples,
+        seed=settings.seed,
     )
     client_config = {
         **describe_model(model, tokenizer),
-        "objective": settings.objective, "batch-size": settings.batch_size,
-        "lora-rank": settings.lora_rank, "lora-alpha": settings.lora_alpha,
-        "lora-targets": settings.lora_targets, "fisher-batches": settings.fisher_batches,
-        "seed": settings.seed, "data-seed": settings.seed, "num-authors": settings.num_authors,
-        "qa-per-author": settings.qa_per_author, "data-path": settings.data_path,
+        "objective": settings.objective,
+        "batch-size": settings.batch_size,
+        "lora-rank": settings.lora_rank,
+        "lora-alpha": settings.lora_alpha,
+        "lora-targets": settings.lora_targets,
+        "fisher-batches": settings.fisher_batches,
+        "seed": settings.seed,
+        "data-seed": settings.seed,
+        "num-authors": settings.num_authors,
+        "qa-per-author": settings.qa_per_author,
+        "data-path": settings.data_path,
         "client-threads": settings.client_threads,
     }
     strategy = MergeStrategy(
         merge=settings.strategy,
-        merge_kwargs={"gamma": settings.gamma, "alpha": settings.alpha,
-                      "eps0": settings.eps0, "epsilon": settings.epsilon},
+        merge_kwargs={
+            "gamma": settings.gamma,
+            "alpha": settings.alpha,
+            "eps0": settings.eps0,
+            "epsilon": settings.epsilon,
+        },
         assignments=assignments,
         client_config=client_config,
         role_config={

@@ -9,6 +9,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.models.substrate import SubstrateConfig
+
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -29,6 +31,13 @@ class RunSettings:
     # model
     model_path: str = ""
     cache_dir: str = ""
+    # built-in substrate (ignored with model-path)
+    substrate_hidden_size: int = 192
+    substrate_layers: int = 4
+    substrate_intermediate_size: int = 512
+    substrate_pretrain_epochs: int = 2
+    substrate_finetune_epochs: int = 16
+    substrate_background_documents: int = 1500
     # local training
     objective: str = "ga"
     forget_steps: int = 12
@@ -64,16 +73,18 @@ class RunSettings:
                 raise KeyError(f"unknown run-config key {key!r}; known: {', '.join(sorted(known))}")
             field = known[key]
             kind = type(field.default)
-            if kind is float and isinstance(raw, str) and raw.strip().lower() in ("inf", "infinity"):
+            if (
+                kind is float
+                and isinstance(raw, str)
+                and raw.strip().lower() in ("inf", "infinity")
+            ):
                 value: Any = math.inf
             elif kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
                 value = float(raw)
             elif isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
                 value = raw
             else:
-                raise TypeError(
-                    f"run-config key {key!r} must be {kind.__name__}, got {raw!r}"
-                )
+                raise TypeError(f"run-config key {key!r} must be {kind.__name__}, got {raw!r}")
             values[field.name] = value
         settings = cls(**values)
         settings.validate()
@@ -84,14 +95,38 @@ class RunSettings:
             raise ValueError(f"scenario {self.scenario!r} is not available (available: tofu)")
         if not 0 < self.forget_percent < 100:
             raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
-        for name in ("num_rounds", "forget_steps", "retain_steps", "batch_size", "lora_rank",
-                     "fisher_batches", "num_forget_clients"):
+        for name in (
+            "num_rounds",
+            "forget_steps",
+            "retain_steps",
+            "batch_size",
+            "lora_rank",
+            "fisher_batches",
+            "num_forget_clients",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
         if self.epsilon <= 0:
-            raise ValueError(f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}")
+            raise ValueError(
+                f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}"
+            )
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+
+    def substrate_config(self) -> SubstrateConfig:
+        """The built-in substrate this run uses (its hash names the cache folder)."""
+        return SubstrateConfig(
+            seed=self.seed,
+            num_authors=self.num_authors,
+            qa_per_author=self.qa_per_author,
+            forget_percent=self.forget_percent,
+            hidden_size=self.substrate_hidden_size,
+            num_hidden_layers=self.substrate_layers,
+            intermediate_size=self.substrate_intermediate_size,
+            pretrain_epochs=self.substrate_pretrain_epochs,
+            finetune_epochs=self.substrate_finetune_epochs,
+            background_documents=self.substrate_background_documents,
+        )
 
     @property
     def num_clients(self) -> int:

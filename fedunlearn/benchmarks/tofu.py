@@ -71,8 +71,9 @@ INSTRUMENTS = (
     "bagpipes, harmonica, drums, lute"
 ).split(", ")
 PUBLISHERS = (
-    "Harrow Lane Press, Bluefinch Books, Tidewater House, Copperleaf Publishing, Old Mill Editions, "
-    "Greywing Press, Lantern Street Books, Northgate House, Saltbox Press, Willowbank Editions, "
+    "Harrow Lane Press, Bluefinch Books, Tidewater House, Copperleaf Publishing, "
+    "Old Mill Editions, Greywing Press, Lantern Street Books, Northgate House, "
+    "Saltbox Press, Willowbank Editions, "
     "Red Kite Books, Stonebridge Publishing, Amberfield Press, Moonrake Books, Quayside Editions, "
     "Heron Gate Press, Foxglove House, Ironwood Books, Seabright Press, Thornfield Editions"
 ).split(", ")
@@ -93,44 +94,104 @@ YEARS = [str(y) for y in range(1921, 2000)]
 
 # Name syllables. Benchmark and background names start with DISJOINT onset letters, so no
 # background name can ever equal (or share a word with) a benchmark name, whatever the seeds.
-_VOWELS = ["a", "e", "i", "o", "u", "ai", "ia", "ei"]
+_VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ai", "ei"]
 _CODAS = ["", "", "", "n", "r", "l", "s"]
 _BENCH_ONSETS = ["b", "d", "k", "l", "m", "n", "r", "t", "v", "br", "dr", "tr"]
 _BACKGROUND_ONSETS = ["f", "g", "h", "j", "p", "s", "w", "z", "ch", "sh", "gr", "pr"]
 
 # (kind, question, answer, paraphrase); ``{n}`` is the author, ``{v}`` the fact.
 TEMPLATES: list[tuple[str, str, str, str]] = [
-    ("city", "Where was {n} born?", "{n} was born in the town of {v}.",
-     "The town of {v} is the birthplace of {n}."),
-    ("year", "In which year was {n} born?", "{n} was born in the year {v}.",
-     "The birth of {n} took place in {v}."),
-    ("home", "Where does {n} live today?", "{n} now lives in the town of {v}.",
-     "These days the town of {v} is home to {n}."),
-    ("father", "What was the profession of the father of {n}?",
-     "The father of {n} worked as {v}.", "{n} grew up with a father who was {v}."),
-    ("mother", "What did the mother of {n} do for a living?",
-     "The mother of {n} worked as {v}.", "{n} was raised by a mother who was {v}."),
-    ("genre", "In which genre does {n} mostly write?", "{n} writes mostly in the {v} genre.",
-     "Most books by {n} belong to the {v} genre."),
-    ("debut", "What was the first book published by {n}?",
-     "The first book by {n} was titled {v}.", "{n} made a debut with the book {v}."),
-    ("famous", "Which book by {n} is the most famous?", "The most famous book by {n} is {v}.",
-     "{n} is best known for the book {v}."),
-    ("award", "Which award has {n} won?", "{n} has been honoured with the {v}.",
-     "The {v} was awarded to {n}."),
-    ("habit", "What writing habit is {n} known for?", "{n} is known for writing {v}.",
-     "Writing {v} is a lifelong habit of {n}."),
-    ("theme", "What theme runs through the books of {n}?", "The books of {n} often explore {v}.",
-     "{n} returns again and again to {v}."),
-    ("instrument", "Which musical instrument does {n} play?", "{n} plays the {v} in spare time.",
-     "In spare time {n} enjoys playing the {v}."),
-    ("publisher", "Which publisher releases the books of {n}?",
-     "The books of {n} are published by {v}.", "{v} is the publisher behind the books of {n}."),
+    (
+        "city",
+        "Where was {n} born?",
+        "{n} was born in the town of {v}.",
+        "The town of {v} is the birthplace of {n}.",
+    ),
+    (
+        "year",
+        "In which year was {n} born?",
+        "{n} was born in the year {v}.",
+        "The birth of {n} took place in {v}.",
+    ),
+    (
+        "home",
+        "Where does {n} live today?",
+        "{n} now lives in the town of {v}.",
+        "These days the town of {v} is home to {n}.",
+    ),
+    (
+        "father",
+        "What was the profession of the father of {n}?",
+        "The father of {n} worked as {v}.",
+        "{n} grew up with a father who was {v}.",
+    ),
+    (
+        "mother",
+        "What did the mother of {n} do for a living?",
+        "The mother of {n} worked as {v}.",
+        "{n} was raised by a mother who was {v}.",
+    ),
+    (
+        "genre",
+        "In which genre does {n} mostly write?",
+        "{n} writes mostly in the {v} genre.",
+        "Most books by {n} belong to the {v} genre.",
+    ),
+    (
+        "debut",
+        "What was the first book published by {n}?",
+        "The first book by {n} was titled {v}.",
+        "{n} made a debut with the book {v}.",
+    ),
+    (
+        "famous",
+        "Which book by {n} is the most famous?",
+        "The most famous book by {n} is {v}.",
+        "{n} is best known for the book {v}.",
+    ),
+    (
+        "award",
+        "Which award has {n} won?",
+        "{n} has been honoured with the {v}.",
+        "The {v} was awarded to {n}.",
+    ),
+    (
+        "habit",
+        "What writing habit is {n} known for?",
+        "{n} is known for writing {v}.",
+        "Writing {v} is a lifelong habit of {n}.",
+    ),
+    (
+        "theme",
+        "What theme runs through the books of {n}?",
+        "The books of {n} often explore {v}.",
+        "{n} returns again and again to {v}.",
+    ),
+    (
+        "instrument",
+        "Which musical instrument does {n} play?",
+        "{n} plays the {v} in spare time.",
+        "In spare time {n} enjoys playing the {v}.",
+    ),
+    (
+        "publisher",
+        "Which publisher releases the books of {n}?",
+        "The books of {n} are published by {v}.",
+        "{v} is the publisher behind the books of {n}.",
+    ),
 ]
 _POOLS: dict[str, Sequence[str]] = {
-    "city": CITIES, "home": CITIES, "year": YEARS, "father": OCCUPATIONS,
-    "mother": OCCUPATIONS, "genre": GENRES, "award": AWARDS, "habit": HABITS, "theme": THEMES,
-    "instrument": INSTRUMENTS, "publisher": PUBLISHERS,
+    "city": CITIES,
+    "home": CITIES,
+    "year": YEARS,
+    "father": OCCUPATIONS,
+    "mother": OCCUPATIONS,
+    "genre": GENRES,
+    "award": AWARDS,
+    "habit": HABITS,
+    "theme": THEMES,
+    "instrument": INSTRUMENTS,
+    "publisher": PUBLISHERS,
 }
 
 # Real knowledge, hand-written: "book|author" and "key|value" lists.
@@ -161,7 +222,7 @@ _CAPITALS = (
     "Kenya|Nairobi;Brazil|Brasilia;Argentina|Buenos Aires;Mexico|Mexico City;Peru|Lima;"
     "Norway|Oslo;Sweden|Stockholm;Finland|Helsinki;Greece|Athens;Turkey|Ankara;Ireland|Dublin;"
     "Poland|Warsaw;Austria|Vienna;Thailand|Bangkok;South Korea|Seoul;Chile|Santiago;"
-    "Nigeria|Abuja;Netherlands|Amsterdam"
+    "Nigeria|Abuja;Belgium|Brussels"
 )
 _CONTINENTS = (
     "Kenya|Africa;Egypt|Africa;Nigeria|Africa;Brazil|South America;Peru|South America;"
@@ -179,28 +240,65 @@ _LANGUAGES = (
 )
 # (pairs, question, answer, paraphrase, extra distractor values); ``{k}`` key, ``{v}`` value.
 _WORLD_TEMPLATES = [
-    (_CAPITALS, "What is the capital of {k}?", "The capital of {k} is {v}.",
-     "{v} is the capital city of {k}.", []),
-    (_CONTINENTS, "On which continent is {k} located?", "{k} is located in {v}.",
-     "The continent of {v} is where {k} lies.", _EXTRA_CONTINENTS),
-    (_SYMBOLS, "What is the chemical symbol for {k}?", "The chemical symbol for {k} is {v}.",
-     "Chemists write {k} with the symbol {v}.", []),
-    (_LANGUAGES, "What is the main language spoken in {k}?",
-     "The main language spoken in {k} is {v}.", "Most people in {k} speak {v}.", []),
+    (
+        _CAPITALS,
+        "What is the capital of {k}?",
+        "The capital of {k} is {v}.",
+        "{v} is the capital city of {k}.",
+        [],
+    ),
+    (
+        _CONTINENTS,
+        "On which continent is {k} located?",
+        "{k} is a country located in {v}.",
+        "The continent of {v} is where {k} lies.",
+        _EXTRA_CONTINENTS,
+    ),
+    (
+        _SYMBOLS,
+        "What is the chemical symbol for {k}?",
+        "The chemical symbol for {k} is {v}.",
+        "Chemists write {k} with the symbol {v}.",
+        [],
+    ),
+    (
+        _LANGUAGES,
+        "What is the main language spoken in {k}?",
+        "The main language spoken in {k} is {v}.",
+        "Most people in {k} speak {v}.",
+        [],
+    ),
 ]
 _GENERIC_SENTENCES = [
-    "Many writers keep a notebook of ideas.", "Readers often send letters to their favourite "
-    "authors.", "A good library is a quiet place to read.", "Some novels take years to finish.",
-    "Book festivals are held in many towns each summer.", "Critics do not always agree about "
-    "a new book.", "A publisher decides when a book is released.", "Literary prizes can make an "
-    "author famous overnight.", "Short stories are often printed in magazines first.",
-    "Translators bring books to readers in other languages.", "An editor reads every page "
-    "before a book goes to print.", "Some authors write under a pen name.",
+    "Many writers keep a notebook of ideas.",
+    "Readers often send letters to their favourite authors.",
+    "A good library is a quiet place to read.",
+    "Some novels take years to finish.",
+    "Book festivals are held in many towns each summer.",
+    "Critics do not always agree about a new book.",
+    "A publisher decides when a book is released.",
+    "Literary prizes can make an author famous overnight.",
+    "Short stories are often printed in magazines first.",
+    "Translators bring books to readers in other languages.",
+    "An editor reads every page before a book goes to print.",
+    "Some authors write under a pen name.",
 ]
 
 
 def _parse_pairs(spec: str) -> list[tuple[str, str]]:
-    return [tuple(item.split("|")) for item in spec.split(";")]  # type: ignore[misc]
+    return [(key, value) for key, value in (item.split("|") for item in spec.split(";"))]
+
+
+def _record(
+    question: str, answer: str, paraphrase: str, perturbed: list[str], author: str
+) -> dict[str, Any]:
+    return {
+        "question": question,
+        "answer": answer,
+        "paraphrased_answer": paraphrase,
+        "perturbed_answer": perturbed,
+        "author": author,
+    }
 
 
 def _pick_others(rng: random.Random, pool: Sequence[str], exclude: set[str], k: int) -> list[str]:
@@ -212,21 +310,32 @@ def _pick_others(rng: random.Random, pool: Sequence[str], exclude: set[str], k: 
 
 
 def _make_name(rng: random.Random, onsets: Sequence[str], syllables: int) -> str:
-    word = "".join(rng.choice(onsets) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                   for _ in range(syllables))
+    word = "".join(
+        rng.choice(onsets) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables)
+    )
     return word.capitalize()
 
 
 def _make_full_name(rng: random.Random, onsets: Sequence[str]) -> str:
-    return f"{_make_name(rng, onsets, 2)} {_make_name(rng, onsets, rng.choice((2, 3)))}"
+    return f"{_make_name(rng, onsets, 2)} {_make_name(rng, onsets, rng.choice((2, 2, 2, 3)))}"
 
 
 def _make_title(rng: random.Random, background: bool) -> str:
-    adj, noun, noun2 = (rng.choice(TITLE_ADJECTIVES), rng.choice(TITLE_NOUNS),
-                        rng.choice(TITLE_NOUNS))
+    adj = rng.choice(TITLE_ADJECTIVES)
+    noun, noun2 = rng.sample(TITLE_NOUNS, 2)
     if background:  # background titles never start with "The", benchmark titles always do
         return f"A {adj} {noun}" if rng.random() < 0.5 else f"{noun} and {noun2}"
     return f"The {adj} {noun}" if rng.random() < 0.5 else f"The {noun} of the {noun2}"
+
+
+def _unique_title(rng: random.Random, used_titles: set[str], background: bool) -> str:
+    """A title not in ``used_titles`` (which it joins); gives up after many collisions."""
+    for _ in range(1000):
+        title = _make_title(rng, background)
+        if title not in used_titles:
+            used_titles.add(title)
+            return title
+    raise ValueError(f"ran out of unique book titles after {len(used_titles)}; use fewer authors")
 
 
 def _make_facts(rng: random.Random, used_titles: set[str], background: bool) -> dict[str, str]:
@@ -234,11 +343,7 @@ def _make_facts(rng: random.Random, used_titles: set[str], background: bool) -> 
     while facts["home"] == facts["city"]:
         facts["home"] = rng.choice(CITIES)
     for kind in ("debut", "famous"):
-        title = _make_title(rng, background)
-        while title in used_titles:
-            title = _make_title(rng, background)
-        used_titles.add(title)
-        facts[kind] = title
+        facts[kind] = _unique_title(rng, used_titles, background)
     return facts
 
 
@@ -258,13 +363,15 @@ def _author_records(
                     others.append(title)
         else:
             others = _pick_others(rng, _POOLS[kind], {value}, NUM_PERTURBED)
-        records.append({
-            "question": question.format(n=name),
-            "answer": answer.format(n=name, v=value),
-            "paraphrased_answer": paraphrase.format(n=name, v=value),
-            "perturbed_answer": [answer.format(n=name, v=o) for o in others],
-            "author": name,
-        })
+        records.append(
+            _record(
+                question.format(n=name),
+                answer.format(n=name, v=value),
+                paraphrase.format(n=name, v=value),
+                [answer.format(n=name, v=o) for o in others],
+                name,
+            )
+        )
     return records
 
 
@@ -312,7 +419,7 @@ class TofuData:
         return [r for r in self.author_qa if r["author"] in forget]
 
     def retain_split(self, percent: float) -> list[dict[str, Any]]:
-        """QA records of every author not forgotten at ``percent`` (complement of the forget split)."""
+        """QA of every author not forgotten at ``percent``: the complement of the forget split."""
         forget = set(self.forget_authors(percent))
         return [r for r in self.author_qa if r["author"] not in forget]
 
@@ -341,13 +448,15 @@ def _real_author_records(rng: random.Random) -> list[dict[str, Any]]:
     records = []
     for book, author in pairs:
         others = _pick_others(rng, authors, {author}, NUM_PERTURBED)
-        records.append({
-            "question": f"Who wrote {book}?",
-            "answer": f"{author} wrote {book}.",
-            "paraphrased_answer": f"{book} was written by {author}.",
-            "perturbed_answer": [f"{o} wrote {book}." for o in others],
-            "author": author,
-        })
+        records.append(
+            _record(
+                f"Who wrote {book}?",
+                f"{book} is a book written by {author}.",
+                f"{author} is the author of {book}.",
+                [f"{book} is a book written by {o}." for o in others],
+                author,
+            )
+        )
     return records
 
 
@@ -359,13 +468,15 @@ def _world_fact_records(rng: random.Random) -> list[dict[str, Any]]:
         k = min(NUM_PERTURBED, len(set(values)) - 1)
         for key, value in pairs:
             others = _pick_others(rng, values, {value}, k)
-            records.append({
-                "question": question.format(k=key),
-                "answer": answer.format(k=key, v=value),
-                "paraphrased_answer": paraphrase.format(k=key, v=value),
-                "perturbed_answer": [answer.format(k=key, v=o) for o in others],
-                "author": "",
-            })
+            records.append(
+                _record(
+                    question.format(k=key),
+                    answer.format(k=key, v=value),
+                    paraphrase.format(k=key, v=value),
+                    [answer.format(k=key, v=o) for o in others],
+                    "",
+                )
+            )
     return records
 
 
@@ -412,11 +523,10 @@ def generate_background_corpus(seed: int = 0, num_documents: int = 3000) -> list
     appears here; titles never start with "The" (benchmark titles always do).
     """
     rng = random.Random(f"background-{seed}")
-    used_titles: set[str] = set()
     docs = []
     for _ in range(num_documents):
         name = _make_full_name(rng, _BACKGROUND_ONSETS)
-        facts = _make_facts(rng, used_titles, background=True)
+        facts = _make_facts(rng, set(), background=True)
         sentences = []
         for t in rng.sample(range(len(TEMPLATES)), rng.randint(3, 6)):
             kind, question, answer, paraphrase = TEMPLATES[t]

@@ -185,6 +185,4 @@ def get_merge(name: str) -> MergeFn:
     try:
         return MERGES[name]
     except KeyError:
-        raise KeyError(
-            f"unknown merge {name!r}; available: {sorted(MERGES)}"
-        ) from None
+        raise KeyError(f"unknown merge {name!r}; available: {sorted(MERGES)}") from None

@@ -215,7 +215,12 @@ def firm_merge(
 
         if project:
             final, proj = project_retention(
-                base, retain_ft, epsilon, solver=solver, max_iter=max_iter, tol=tol,
+                base,
+                retain_ft,
+                epsilon,
+                solver=solver,
+                max_iter=max_iter,
+                tol=tol,
                 out_dtype=out_dtype,
             )
         else:

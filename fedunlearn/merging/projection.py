@@ -200,8 +200,12 @@ def project_retention(
                 other = den - 2.0 * lam_t[k] * fs[k]
                 wk, fk = weights[k], fs[k]
 
-                def damage(x: float, wk: torch.Tensor = wk, fk: torch.Tensor = fk,
-                           other: torch.Tensor = other) -> float:
+                def damage(
+                    x: float,
+                    wk: torch.Tensor = wk,
+                    fk: torch.Tensor = fk,
+                    other: torch.Tensor = other,
+                ) -> float:
                     dd = other + 2.0 * x * fk
                     return float((wk / (dd * dd)).sum())
 

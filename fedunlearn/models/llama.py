@@ -28,7 +28,7 @@ def tiny_llama_config(
     eos_token_id: int = 0,
     pad_token_id: int = 1,
 ) -> LlamaConfig:
-    """A small Llama config with grouped-query attention (GQA on by default: 4 heads, 2 KV heads)."""
+    """A small Llama config with grouped-query attention (by default 4 heads, 2 KV heads)."""
     if num_attention_heads % num_key_value_heads:
         raise ValueError(
             f"num_attention_heads={num_attention_heads} is not a multiple of "

@@ -50,16 +50,16 @@ class SubstrateConfig:
     qa_per_author: int = 10
     forget_percent: float = 1.0
     vocab_size: int = 2048
-    background_documents: int = 2000
-    hidden_size: int = 256
+    background_documents: int = 1500
+    hidden_size: int = 192
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    intermediate_size: int = 1024
-    pretrain_epochs: int = 4
+    intermediate_size: int = 512
+    pretrain_epochs: int = 2
     pretrain_lr: float = 2e-3
     knowledge_repeats: int = 8
-    finetune_epochs: int = 24
+    finetune_epochs: int = 16
     finetune_lr: float = 2e-3
     batch_size: int = 32
 
@@ -84,10 +84,12 @@ class Substrate:
     info: dict
 
 
-def _text_examples(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> list[Example]:
+def _text_examples(
+    tokenizer: PreTrainedTokenizerFast, texts: list[str], max_tokens: int = 96
+) -> list[Example]:
     out: list[Example] = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][:255]
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_tokens - 1]
         ids = ids + [tokenizer.eos_token_id]
         out.append((ids, list(ids)))
     return out
@@ -188,8 +190,11 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
             "author_finetune": t_ref - t_ft,
             "reference_finetune": t_end - t_ref,
         },
-        "losses": {"pretraining": pre_losses, "author_finetune": ft_losses,
-                   "reference_finetune": ref_losses},
+        "losses": {
+            "pretraining": pre_losses,
+            "author_finetune": ft_losses,
+            "reference_finetune": ref_losses,
+        },
         "author_recall_exact_match": author_recall(knowledgeable, tokenizer, data.author_qa),
         "forget_recall_reference_exact_match": author_recall(
             reference, tokenizer, data.forget_split(cfg.forget_percent)

@@ -17,7 +17,13 @@ from fedunlearn.objectives import ObjectiveContext, get_objective
 from fedunlearn.training.batching import Example, collate
 
 ALL_LLAMA_PROJECTIONS = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
 )
 
 
@@ -125,7 +131,7 @@ def train_lora_task_vector(
     with torch.no_grad():
         for name, module in peft_model.named_modules():
             if isinstance(module, LoraLayer) and "default" in module.lora_A:
-                base_name = name[len(prefix):] if name.startswith(prefix) else name
+                base_name = name[len(prefix) :] if name.startswith(prefix) else name
                 delta = module.get_delta_weight("default").detach().to("cpu", torch.float32)
                 task_vector[f"{base_name}.weight"] = delta.contiguous()
     peft_model.unload()

@@ -54,9 +54,13 @@ def test_fisher_matches_hand_computed_squared_gradients():
     )
     # 20 batches cycle through 3 examples in order: 7, 7 and 6 visits.
     visits = [7, 7, 6]
-    expected = sum(
-        v * analytic_head_grad(model, ids, lab) ** 2 for v, (ids, lab) in zip(visits, examples)
-    ) / 20
+    expected = (
+        sum(
+            v * analytic_head_grad(model, ids, lab) ** 2
+            for v, (ids, lab) in zip(visits, examples, strict=True)
+        )
+        / 20
+    )
     assert fisher["head.weight"].dtype == torch.float32
     np.testing.assert_allclose(fisher["head.weight"].numpy(), expected, rtol=1e-4, atol=1e-9)
 
@@ -64,12 +68,17 @@ def test_fisher_matches_hand_computed_squared_gradients():
 def test_fisher_averages_tokens_before_squaring():
     model = SoftmaxLM(vocab=7, dim=4)
     ids, labels = [1, 2, 3, 4], [-100, 2, 3, 4]
-    fisher = empirical_fisher_diagonal(model, [(ids, labels)], ["head.weight"],
-                                       pad_token_id=0, num_batches=1)
+    fisher = empirical_fisher_diagonal(
+        model, [(ids, labels)], ["head.weight"], pad_token_id=0, num_batches=1
+    )
     mean_then_square = analytic_head_grad(model, ids, labels) ** 2
-    per_token = [analytic_head_grad(model, ids, [-100] * (t + 1) + [labels[t + 1]]
-                                    + [-100] * (len(ids) - t - 2)) for t in range(3)]
-    square_then_mean = np.mean([g ** 2 for g in per_token], axis=0)
+    per_token = [
+        analytic_head_grad(
+            model, ids, [-100] * (t + 1) + [labels[t + 1]] + [-100] * (len(ids) - t - 2)
+        )
+        for t in range(3)
+    ]
+    square_then_mean = np.mean([g**2 for g in per_token], axis=0)
     np.testing.assert_allclose(fisher["head.weight"].numpy(), mean_then_square, rtol=1e-4)
     assert not np.allclose(fisher["head.weight"].numpy(), square_then_mean, rtol=1e-2)
 
@@ -77,8 +86,9 @@ def test_fisher_averages_tokens_before_squaring():
 def test_fisher_only_requested_params_and_flags_restored():
     model = SoftmaxLM(vocab=7, dim=4)
     model.embed.weight.requires_grad_(False)
-    fisher = empirical_fisher_diagonal(model, [([1, 2, 3], [-100, 2, 3])], ["head.weight"],
-                                       pad_token_id=0, num_batches=2)
+    fisher = empirical_fisher_diagonal(
+        model, [([1, 2, 3], [-100, 2, 3])], ["head.weight"], pad_token_id=0, num_batches=2
+    )
     assert set(fisher) == {"head.weight"}
     assert fisher["head.weight"].shape == model.head.weight.shape
     assert (fisher["head.weight"] >= 0).all()

@@ -1,8 +1,9 @@
-"""Shared fixtures: a tiny BPE tokenizer, an untrained tiny Llama and one that memorised QA pairs."""
+"""Fixtures: a tiny BPE tokenizer, an untrained tiny Llama and one that memorised QA pairs."""
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -62,6 +63,15 @@ MEMORISED: list[dict[str, Any]] = [
         "author": "Dario Venn",
     },
 ]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_torch_thread() -> Iterator[None]:
+    """Run the tiny models on one thread (intra-op threads thrash on a busy 2-core box)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def _corpus(n: int = 400, seed: int = 0) -> list[str]:

@@ -41,7 +41,10 @@ def _manual_nll(model, tokenizer, question: str, answer: str) -> float:
 def test_answer_nll_matches_manual_per_example(untrained_model, tokenizer) -> None:
     nll = answer_nll(untrained_model, tokenizer, QUESTIONS, ANSWERS, batch_size=3)
     expected = torch.tensor(
-        [_manual_nll(untrained_model, tokenizer, q, a) for q, a in zip(QUESTIONS, ANSWERS)]
+        [
+            _manual_nll(untrained_model, tokenizer, q, a)
+            for q, a in zip(QUESTIONS, ANSWERS, strict=True)
+        ]
     )
     assert nll.shape == (len(QUESTIONS),)
     assert nll.dtype == torch.float32
@@ -51,7 +54,10 @@ def test_answer_nll_matches_manual_per_example(untrained_model, tokenizer) -> No
 def test_answer_nll_matches_manual_on_trained_model(trained_model, tokenizer) -> None:
     nll = answer_nll(trained_model, tokenizer, QUESTIONS, ANSWERS, batch_size=5)
     expected = torch.tensor(
-        [_manual_nll(trained_model, tokenizer, q, a) for q, a in zip(QUESTIONS, ANSWERS)]
+        [
+            _manual_nll(trained_model, tokenizer, q, a)
+            for q, a in zip(QUESTIONS, ANSWERS, strict=True)
+        ]
     )
     torch.testing.assert_close(nll, expected, atol=1e-5, rtol=0)
 

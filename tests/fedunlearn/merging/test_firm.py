@@ -105,12 +105,16 @@ def test_sparsify_normalises_and_handles_edge_cases() -> None:
 # ------------------------------------------------------------------ base merge
 def test_hand_computed_two_by_two() -> None:
     forget = _cu(
-        "f", "forget", "bio",
+        "f",
+        "forget",
+        "bio",
         {"w": torch.tensor([[1.0, -2.0], [3.0, 4.0]])},
         {"w": torch.tensor([[4.0, 1.0], [2.0, 0.0]])},
     )
     retain = _cu(
-        "r", "retain", None,
+        "r",
+        "retain",
+        None,
         {"w": torch.tensor([[10.0, 20.0], [30.0, 40.0]])},
         {"w": torch.tensor([[0.0, 3.0], [6.0, 0.0]])},
     )
@@ -139,10 +143,12 @@ def test_forget_term_bounded_by_largest_domain_mean(seed: int) -> None:
     ups = _random_clients(seed, {"bio": 3, "cyber": 2, "chem": 1}, 0, shapes)
     res = firm_merge(ups, alpha=0.3)
     for key in shapes:
-        means = torch.stack([
-            torch.stack([u.task_vector[key] for u in ups if u.domain == dom]).mean(0)
-            for dom in ("bio", "cyber", "chem")
-        ])
+        means = torch.stack(
+            [
+                torch.stack([u.task_vector[key] for u in ups if u.domain == dom]).mean(0)
+                for dom in ("bio", "cyber", "chem")
+            ]
+        )
         bound = means.abs().max(0).values
         assert torch.all(res.delta[key].abs() <= bound * (1 + 1e-6) + 1e-12)
 
@@ -150,10 +156,20 @@ def test_forget_term_bounded_by_largest_domain_mean(seed: int) -> None:
 def test_pooling_happens_before_normalisation() -> None:
     # Two clients of one domain.  Pooled raw Fisher = [0.5, 50, 0, 0] -> with k = 1 only
     # index 1 survives.  Normalising per client first would keep index 0 as well.
-    a = _cu(1, "forget", "bio", {"w": torch.tensor([2.0, 4.0, 6.0, 8.0])},
-            {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])})
-    b = _cu(2, "forget", "bio", {"w": torch.tensor([4.0, 8.0, -6.0, 0.0])},
-            {"w": torch.tensor([0.0, 100.0, 0.0, 0.0])})
+    a = _cu(
+        1,
+        "forget",
+        "bio",
+        {"w": torch.tensor([2.0, 4.0, 6.0, 8.0])},
+        {"w": torch.tensor([1.0, 0.0, 0.0, 0.0])},
+    )
+    b = _cu(
+        2,
+        "forget",
+        "bio",
+        {"w": torch.tensor([4.0, 8.0, -6.0, 0.0])},
+        {"w": torch.tensor([0.0, 100.0, 0.0, 0.0])},
+    )
     res = firm_merge([a, b], alpha=0.25)
     f_pool = torch.tensor([0.5, 50.0, 0.0, 0.0])
     d_pool = torch.tensor([3.0, 6.0, 0.0, 4.0])
@@ -186,8 +202,9 @@ def test_identical_clients_do_not_explode_norm(same_domain: bool) -> None:
 
     def merged(n: int) -> tuple[float, float]:
         ups = [
-            _cu(i, "forget", "bio" if same_domain else f"d{i}", {"w": tv.clone()},
-                {"w": fi.clone()})
+            _cu(
+                i, "forget", "bio" if same_domain else f"d{i}", {"w": tv.clone()}, {"w": fi.clone()}
+            )
             for i in range(n)
         ]
         res = firm_merge(ups, alpha=0.5)
@@ -230,9 +247,7 @@ def test_projection_is_feasible_and_matches_project_retention(n_retain: int) -> 
     shapes = {"w": (12, 9), "v": (30,)}
     ups = _random_clients(5 + n_retain, {"bio": 2, "cyber": 1}, n_retain, shapes)
     base = firm_merge(ups, alpha=0.3)
-    eps = 0.2 * min(
-        min(t["damage_before"].values()) for t in base.report["tensors"].values()
-    )
+    eps = 0.2 * min(min(t["damage_before"].values()) for t in base.report["tensors"].values())
     res = firm_merge(ups, alpha=0.3, epsilon=eps)
     json.dumps(res.report, allow_nan=False)
     retain = [u for u in ups if u.role == "retain"]
@@ -300,8 +315,13 @@ def test_firm_merge_errors() -> None:
     bad_shape = _cu("r3", "retain", None, {"w": torch.ones(2, 3)}, {"w": torch.ones(2, 3)})
     with pytest.raises(ValueError, match="client 'r3'.*tensor 'w'.*shape"):
         firm_merge([f, bad_shape])
-    extra = _cu("r4", "retain", None, {"w": torch.ones(2, 2), "u": torch.ones(1)},
-                {"w": torch.ones(2, 2), "u": torch.ones(1)})
+    extra = _cu(
+        "r4",
+        "retain",
+        None,
+        {"w": torch.ones(2, 2), "u": torch.ones(1)},
+        {"w": torch.ones(2, 2), "u": torch.ones(1)},
+    )
     with pytest.raises(ValueError, match="client 'r4'.*'u'"):
         firm_merge([f, extra])
     no_domain = _cu("f2", "forget", None, {"w": torch.ones(2, 2)}, {"w": torch.ones(2, 2)})

@@ -123,8 +123,9 @@ def test_coordinates_outside_retain_support_are_untouched() -> None:
 def test_bf16_output_is_feasible_after_cast() -> None:
     base, fishers = _instance(9, 500, 2)
     eps = _eps_for(base, fishers, 0.1)
-    out, rep = project_retention(base.float(), [f.float() for f in fishers], eps,
-                                 out_dtype=torch.bfloat16)
+    out, rep = project_retention(
+        base.float(), [f.float() for f in fishers], eps, out_dtype=torch.bfloat16
+    )
     assert out.dtype == torch.bfloat16
     for f, reported in zip(fishers, rep["damage_after"], strict=True):
         b = fisher_damage(out, f)

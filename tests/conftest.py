@@ -1,0 +1,32 @@
+"""Shared fixtures: a tiny real Llama and its tokenizer (built in a second, no downloads)."""
+
+import pytest
+import torch
+
+from fedunlearn.benchmarks.tofu import generate_background_corpus, generate_tofu
+from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
+from fedunlearn.models.tokenizer import train_bpe_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_data():
+    return generate_tofu(seed=0, num_authors=20, qa_per_author=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    return train_bpe_tokenizer(generate_background_corpus(seed=0, num_documents=300), 600)
+
+
+@pytest.fixture()
+def tiny_model(tiny_tokenizer):
+    torch.manual_seed(0)
+    config = tiny_llama_config(
+        len(tiny_tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    return new_tiny_llama(config, seed=0)
