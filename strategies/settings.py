@@ -51,7 +51,7 @@ class RunSettings:
     fisher_batches: int = 20
     client_threads: int = 1
     # merge (FIRM)
-    gamma: float = 1.0
+    gamma: float = 8.0
     alpha: float = 0.1
     eps0: float = 1e-8
     epsilon: float = math.inf

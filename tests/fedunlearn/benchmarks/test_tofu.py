@@ -90,13 +90,16 @@ def test_perturbed_and_paraphrase_are_valid(data: TofuData) -> None:
         assert r["paraphrased_answer"] != r["answer"]
 
 
-def test_perturbed_keep_the_answer_template(data: TofuData) -> None:
-    # A perturbed answer differs from the answer only in the swapped fact: same prefix/suffix
-    # around it, so the author name is still there.
+def test_perturbed_keep_the_paraphrase_template(data: TofuData) -> None:
+    # As in TOFU, a perturbed answer is the paraphrased answer with the fact swapped, so the
+    # truth ratio compares sentences of the same wording.
     for r in data.author_qa:
+        para = r["paraphrased_answer"].split()
         for p in r["perturbed_answer"]:
+            words = p.split()
             assert r["author"] in p
-            assert p.split()[:2] == r["answer"].split()[:2]
+            assert words[:2] == para[:2] or words[-2:] == para[-2:]
+            assert p != r["paraphrased_answer"]
 
 
 def test_questions_use_distinct_templates_per_author(data: TofuData) -> None:

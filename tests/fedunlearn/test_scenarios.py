@@ -1,0 +1,44 @@
+"""Client assignments of the TOFU scenario."""
+
+import pytest
+
+from fedunlearn.benchmarks.tofu import generate_tofu
+from fedunlearn.scenarios import tofu_assignments
+
+
+@pytest.fixture(scope="module")
+def data():
+    return generate_tofu(seed=0, num_authors=200, qa_per_author=10)
+
+
+def test_default_is_the_firm_paper_setup(data):
+    clients = tofu_assignments(data, forget_percent=1.0, num_forget_clients=5,
+                               num_retain_clients=1, retain_samples=200, seed=0)
+    forget = [c for c in clients if c.role == "forget"]
+    retain = [c for c in clients if c.role == "retain"]
+    assert len(forget) == 5 and len(retain) == 1
+    shards = [set(c.indices) for c in forget]
+    assert all(len(s) == 4 for s in shards)  # forget-1 % of 200 authors × 10 QA = 20 QA
+    assert set().union(*shards) == {
+        i for i, r in enumerate(data.author_qa) if r["author"] in data.forget_authors(1.0)
+    }
+    assert sum(len(s) for s in shards) == len(set().union(*shards))  # disjoint
+    assert len(retain[0].indices) == 200
+    retain_authors = {data.author_qa[i]["author"] for i in retain[0].indices}
+    assert not retain_authors & set(data.forget_authors(1.0))
+
+
+def test_retain_clients_are_disjoint_and_seeded(data):
+    a = tofu_assignments(data, num_retain_clients=3, retain_samples=50, seed=1)
+    b = tofu_assignments(data, num_retain_clients=3, retain_samples=50, seed=1)
+    c = tofu_assignments(data, num_retain_clients=3, retain_samples=50, seed=2)
+    assert a == b and a != c
+    retain = [set(x.indices) for x in a if x.role == "retain"]
+    assert len(retain) == 3 and not (retain[0] & retain[1] or retain[1] & retain[2])
+
+
+def test_bad_sizes_are_clear_errors(data):
+    with pytest.raises(ValueError, match="fewer than num_forget_clients=30"):
+        tofu_assignments(data, num_forget_clients=30)
+    with pytest.raises(ValueError, match="exceed"):
+        tofu_assignments(data, num_retain_clients=2, retain_samples=1000)
