@@ -170,9 +170,8 @@ def main(grid: Grid, context: Context) -> None:
         "metrics": metrics,
         "clients": strategy.client_reports,
         "merge": {
-            "method": settings.strategy,
+            **(strategy.last_merge.report if strategy.last_merge else {}),
             "seconds": strategy.merge_seconds,
-            "report": strategy.last_merge.report if strategy.last_merge else None,
         },
         "substrate": substrate_info,
         "assignments": [

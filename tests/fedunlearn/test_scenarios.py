@@ -12,8 +12,14 @@ def data():
 
 
 def test_default_is_the_firm_paper_setup(data):
-    clients = tofu_assignments(data, forget_percent=1.0, num_forget_clients=5,
-                               num_retain_clients=1, retain_samples=200, seed=0)
+    clients = tofu_assignments(
+        data,
+        forget_percent=1.0,
+        num_forget_clients=5,
+        num_retain_clients=1,
+        retain_samples=200,
+        seed=0,
+    )
     forget = [c for c in clients if c.role == "forget"]
     retain = [c for c in clients if c.role == "retain"]
     assert len(forget) == 5 and len(retain) == 1

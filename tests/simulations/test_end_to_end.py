@@ -13,14 +13,19 @@ from simulations import run_local
 
 pytestmark = pytest.mark.slow
 
-# Thresholds (see the issue's closing note for the measured numbers behind them):
-# * forgetting — forget ROUGE-L and exact match must fall by at least half of their value
-#   before unlearning: a clear, not marginal, drop;
-# * utility — model utility may lose at most 0.1 (absolute) of its value before unlearning
-#   and retain ROUGE-L at most 0.15: "close to the original" at this model scale.
-FORGET_DROP = 0.5
-MAX_UTILITY_LOSS = 0.10
-MAX_RETAIN_ROUGE_LOSS = 0.15
+# Thresholds, chosen from the measured default run (forget ROUGE-L 1.00 → 0.65 with the
+# reference at 0.60, exact match 1.00 → 0.00, utility 0.516 → 0.514, retain ROUGE-L
+# 1.00 → 0.99) with head-room for run-to-run float noise:
+# * ROUGE-L of a template-heavy answer never reaches 0 (the retain-only reference, which never
+#   saw the forget authors, scores 0.60), so forgetting is measured as the share of the gap
+#   between the original and the reference that unlearning closes: at least 60 %;
+# * forget exact match must fall from >= 0.9 to <= 0.25;
+# * "close to the original": model utility may lose at most 0.05 and retain ROUGE-L at most
+#   0.05 (absolute).
+MIN_GAP_CLOSED = 0.6
+MAX_FORGET_EXACT_MATCH = 0.25
+MAX_UTILITY_LOSS = 0.05
+MAX_RETAIN_ROUGE_LOSS = 0.05
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +47,47 @@ def test_clients_and_merge_report(results):
     assert all("excluded" not in c for c in clients)
     forget = [c for c in clients if c["role"] == "forget"]
     assert sum(c["num_examples"] for c in forget) == 20  # forget-1 %: 2 authors × 10 QA
+    assert [c["num_examples"] for c in clients if c["role"] == "retain"] == [200]
     assert all(c["bytes_sent"] > 0 and c["task_vector_norm"] > 0 for c in clients)
-    report = results["merge"]["report"]
-    assert report["method"] == "firm" and report["norm_final"] > 0
-    assert len(report["tensors"]) == 4 * 7  # 4 layers × 7 projections
+    merge = results["merge"]
+    assert merge["method"] == "firm" and merge["norm_final"] > 0
+    assert len(merge["tensors"]) == 4 * 7  # 4 layers × 7 projections
+    retain_id = str(next(c["node_id"] for c in clients if c["role"] == "retain"))
+    assert all(retain_id in t["damage_after"] for t in merge["tensors"].values())
 
 
 def test_forgot_the_forget_authors_and_kept_the_rest(results):
-    before, after = results["metrics"]["before"], results["metrics"]["after"]
+    before = results["metrics"]["before"]
+    after = results["metrics"]["after"]
+    reference = results["metrics"]["reference"]
     assert before["forget_exact_match"] >= 0.9
-    assert after["forget_rouge_l"] <= (1 - FORGET_DROP) * before["forget_rouge_l"]
-    assert after["forget_exact_match"] <= (1 - FORGET_DROP) * before["forget_exact_match"]
+    gap = before["forget_rouge_l"] - reference["forget_rouge_l"]
+    assert gap > 0.2  # the original really knows the forget authors, the reference does not
+    closed = (before["forget_rouge_l"] - after["forget_rouge_l"]) / gap
+    assert closed >= MIN_GAP_CLOSED, closed
+    assert after["forget_exact_match"] <= MAX_FORGET_EXACT_MATCH
     assert after["model_utility"] >= before["model_utility"] - MAX_UTILITY_LOSS
     assert after["retain_rouge_l"] >= before["retain_rouge_l"] - MAX_RETAIN_ROUGE_LOSS
-    reference = results["metrics"]["reference"]
     assert after["forget_quality"] > before["forget_quality"]
-    assert reference["forget_rouge_l"] < before["forget_rouge_l"]
+
+
+def test_local_checkpoint_through_flower(tmp_path, tiny_model, tiny_tokenizer):
+    """model-path: any local Hugging Face causal LM runs through the same Flower pipeline."""
+    tiny_model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
+    path = run_local.run(
+        run_config=(
+            f"model-path='{tmp_path / 'ckpt'}' num-authors=20 retain-samples=20 "
+            "eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 eval-max-new-tokens=8"
+        ),
+        output_dir=tmp_path / "out",
+        flwr_home=tmp_path / "flwr_home",
+    )
+    results = json.loads(path.read_text())
+    assert results["config"]["model-path"] == str(tmp_path / "ckpt")
+    assert "reference" not in results["metrics"]  # no retain-only model for a foreign checkpoint
+    assert results["metrics"]["after"]["forget_quality"] is None
+    assert sorted(c["role"] for c in results["clients"]) == ["forget"] * 5 + ["retain"]
+    assert sum(c["num_examples"] for c in results["clients"] if c["role"] == "forget") == 10
+    assert len(results["merge"]["tensors"]) == 2 * 7
+    assert results["metrics"]["after"] != results["metrics"]["before"]
