@@ -4,8 +4,9 @@ Each fictitious author gets a set of facts (birthplace, parents' jobs, books, aw
 drawn from fixed pools, and one question per fact. Every record follows TOFU's columns:
 ``question``, ``answer``, ``paraphrased_answer`` (same fact, other wording),
 ``perturbed_answer`` (the PARAPHRASED sentence with the fact swapped for other values of the
-same kind, as in TOFU, so the truth ratio compares like with like) plus ``author``. Two never-forgotten sets of *real* knowledge (real authors and their
-books, world facts) stand for what a model knows before the author fine-tune.
+same kind, as in TOFU, so the truth ratio compares like with like) plus ``author``.
+Two never-forgotten sets of *real* knowledge (real authors and their books, world facts)
+stand for what a model knows before the author fine-tune.
 
 Everything is a pure function of the seed: only ``random.Random(seed)`` instances are used.
 """
