@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import random
 import time
 from logging import INFO
@@ -70,6 +71,7 @@ def _evaluate(name: str, model, tokenizer, splits, settings, reference_trs=None)
 def main(grid: Grid, context: Context) -> None:
     """Run one federated unlearning request end to end."""
     run_started = time.perf_counter()
+    logging.getLogger("flwr").propagate = False  # one copy of each line, not two
     settings = RunSettings.from_run_config(dict(context.run_config))
     output_dir = settings.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -186,4 +188,10 @@ def main(grid: Grid, context: Context) -> None:
     tmp.replace(path)
     for line in format_summary_table(metrics, REPORTED_METRICS).splitlines():
         log(INFO, "%s", line)
+    for before, after in zip(
+        metrics["before"]["samples"]["forget"], metrics["after"]["samples"]["forget"], strict=True
+    ):
+        log(INFO, "forget Q: %s", before["question"])
+        log(INFO, "   before: %s", before["generation"])
+        log(INFO, "   after:  %s", after["generation"])
     log(INFO, "results written to %s", path)

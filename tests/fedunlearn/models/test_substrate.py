@@ -1,0 +1,61 @@
+"""The substrate cache: built once per config, reused, rebuilt when missing."""
+
+import dataclasses
+import json
+
+import torch
+
+from fedunlearn.models.substrate import SubstrateConfig, ensure_substrate, load_substrate
+
+SMALL = SubstrateConfig(
+    num_authors=20,
+    qa_per_author=4,
+    forget_percent=10.0,
+    vocab_size=400,
+    background_documents=60,
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    intermediate_size=64,
+    pretrain_epochs=1,
+    knowledge_repeats=1,
+    finetune_epochs=1,
+    batch_size=32,
+)
+
+
+def test_cache_key_follows_the_config():
+    assert SMALL.cache_key() == dataclasses.replace(SMALL).cache_key()
+    assert SMALL.cache_key() != dataclasses.replace(SMALL, seed=1).cache_key()
+    assert SMALL.cache_key() != dataclasses.replace(SMALL, finetune_epochs=2).cache_key()
+
+
+def test_built_once_reused_and_rebuilt_when_missing(tmp_path):
+    folder = ensure_substrate(SMALL, tmp_path, show_progress=False)
+    assert folder.name == f"tofu-substrate-{SMALL.cache_key()}"
+    for part in ("tokenizer", "pretrained", "knowledgeable", "reference"):
+        assert (folder / part).is_dir(), part
+    info = json.loads((folder / "build_info.json").read_text())
+    assert info["config"] == dataclasses.asdict(SMALL)
+    assert 0.0 <= info["author_recall_exact_match"] <= 1.0
+    assert set(info["seconds"]) == {
+        "tokenizer_and_data",
+        "pretraining",
+        "author_finetune",
+        "reference_finetune",
+    }
+    stamp = (folder / "build_info.json").stat().st_mtime_ns
+    assert ensure_substrate(SMALL, tmp_path, show_progress=False) == folder
+    assert (folder / "build_info.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temp folders left
+
+    first = load_substrate(SMALL, tmp_path, show_progress=False)
+    (folder / "build_info.json").unlink()  # a damaged entry is rebuilt ...
+    second = load_substrate(SMALL, tmp_path, show_progress=False)
+    x = torch.tensor([first.tokenizer("Question: Who wrote Emma?\nAnswer:")["input_ids"]])
+    with torch.no_grad():  # ... to identical weights: the build is deterministic
+        assert torch.equal(first.model(x).logits, second.model(x).logits)
+        assert torch.equal(first.reference_model(x).logits, second.reference_model(x).logits)
+    assert not torch.equal(first.model.lm_head.weight, first.reference_model.lm_head.weight)
+    assert len(first.data.author_qa) == 80
