@@ -20,6 +20,7 @@ from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.qa_format import encode_qa
+from fedunlearn.scenarios import all_records
 from fedunlearn.training.lora import (
     LocalTrainSettings,
     LoraSettings,
@@ -52,11 +53,12 @@ def client_records(config: ConfigRecord, context: Context) -> list[dict]:
         int(config["qa-per-author"]),
         data_path,
     )
+    records = all_records(data)
     indices = [int(i) for i in config["indices"]]
-    bad = [i for i in indices if not 0 <= i < len(data.author_qa)]
+    bad = [i for i in indices if not 0 <= i < len(records)]
     if bad:
-        raise IndexError(f"shard indices {bad[:5]} are outside the {len(data.author_qa)} QA")
-    return [data.author_qa[i] for i in indices]
+        raise IndexError(f"shard indices {bad[:5]} are outside the {len(records)} records")
+    return [records[i] for i in indices]
 
 
 @app.train()

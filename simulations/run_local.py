@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import socket
@@ -156,6 +157,7 @@ def run(
     clients = sum(int(user.get(k, v)) for k, v in DEFAULT_NUM_CLIENTS.items())
     stamp = time.strftime("%Y%m%d-%H%M%S")
     scenario, strategy = user.get("scenario", "tofu"), user.get("strategy", "firm")
+    strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(strategy))
     output_dir = (output_dir or REPO_ROOT / "outputs" / f"{scenario}-{strategy}-{stamp}").resolve()
     flwr_home = (flwr_home or REPO_ROOT / ".flwr_home").resolve()
     cache_dir = cache_dir or Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache"))

@@ -17,8 +17,9 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from clients.messages import decode_client_reply
-from fedunlearn.merging import ClientUpdate, MergeResult, get_merge
+from fedunlearn.merging import ClientUpdate, MergeResult
 from fedunlearn.scenarios import ClientAssignment
+from strategies.merge_plugins import merge_kwargs, resolve_merge
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -42,9 +43,11 @@ class MergeStrategy(Strategy):
     Parameters
     ----------
     merge : str (default: "firm")
-        Registered merge to call on the decoded client updates.
-    merge_kwargs : Mapping[str, Any] (default: {})
-        Keyword arguments for the merge (``gamma``, ``alpha``, ``eps0``, ``epsilon``...).
+        Merge to call on the decoded client updates: a registered name, an entry point of
+        the ``fedunlearn.merges`` group or ``package.module:function`` (see merge_plugins).
+    merge_parameters : Mapping[str, Any] (default: {})
+        Candidate keyword arguments (``gamma``, ``alpha``, ``eps0``, ``epsilon``, ...); the
+        merge receives those its signature accepts.
     assignments : Sequence[ClientAssignment]
         Role, domain and data shard per client; node i (in sorted node-id order) gets
         assignment i.
@@ -60,7 +63,7 @@ class MergeStrategy(Strategy):
         self,
         *,
         merge: str = "firm",
-        merge_kwargs: Mapping[str, Any] | None = None,
+        merge_parameters: Mapping[str, Any] | None = None,
         assignments: Sequence[ClientAssignment],
         client_config: Mapping[str, Any] | None = None,
         role_config: Mapping[str, Mapping[str, Any]] | None = None,
@@ -69,8 +72,8 @@ class MergeStrategy(Strategy):
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
         self.merge = merge
-        self.merge_fn = get_merge(merge)
-        self.merge_kwargs = dict(merge_kwargs or {})
+        self.merge_fn = resolve_merge(merge)
+        self.merge_kwargs = merge_kwargs(self.merge_fn, merge_parameters or {})
         self.assignments = list(assignments)
         self.client_config = dict(client_config or {})
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
@@ -79,6 +82,7 @@ class MergeStrategy(Strategy):
         self.global_arrays: ArrayRecord | None = None
         self.last_merge: MergeResult | None = None
         self.client_reports: list[dict[str, Any]] = []
+        self.last_updates: list[ClientUpdate] = []
         self.merge_seconds: float = 0.0
 
     def summary(self) -> None:
@@ -171,8 +175,13 @@ class MergeStrategy(Strategy):
             )
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
+        self.last_updates = updates
         started = time.perf_counter()
         result = self.merge_fn(updates, **self.merge_kwargs)
+        if not isinstance(result, MergeResult):
+            raise TypeError(
+                f"merge {self.merge!r} returned {type(result).__name__}, not a MergeResult"
+            )
         self.merge_seconds = time.perf_counter() - started
         self.last_merge = result
         state = self.global_arrays.to_torch_state_dict()

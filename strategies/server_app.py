@@ -5,10 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-import random
 import time
 from logging import INFO
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -17,14 +15,11 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model
-from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
-from fedunlearn.benchmarks.tofu_files import load_tofu_files
-from fedunlearn.evaluation import evaluate_tofu
-from fedunlearn.models.llama import load_local_causal_lm
-from fedunlearn.models.substrate import load_substrate
 from fedunlearn.scenarios import tofu_assignments
+from fedunlearn.uploads import save_uploads
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import format_summary_table, json_safe
+from strategies.run_setup import evaluate_model, evaluation_splits, load_run_model
 from strategies.settings import RunSettings
 
 app = ServerApp()
@@ -40,33 +35,6 @@ REPORTED_METRICS = (
 )
 
 
-def evaluation_splits(data: TofuData, settings: RunSettings) -> dict[str, list[dict]]:
-    """Forget split, a seeded retain sample, and the two never-forgotten sets."""
-    retain = data.retain_split(settings.forget_percent)
-    rng = random.Random(settings.seed + 7)
-    sample = rng.sample(retain, min(settings.eval_retain_samples, len(retain)))
-    return {
-        "forget": data.forget_split(settings.forget_percent),
-        "retain": sample,
-        "real_authors": data.real_authors,
-        "world_facts": data.world_facts,
-    }
-
-
-def _evaluate(name: str, model, tokenizer, splits, settings, reference_trs=None) -> dict:
-    started = time.perf_counter()
-    metrics = evaluate_tofu(
-        model,
-        tokenizer,
-        splits,
-        reference_truth_ratios=reference_trs,
-        batch_size=settings.eval_batch_size,
-        max_new_tokens=settings.eval_max_new_tokens,
-    )
-    log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
-    return metrics
-
-
 @app.main()
 def main(grid: Grid, context: Context) -> None:
     """Run one federated unlearning request end to end."""
@@ -76,27 +44,12 @@ def main(grid: Grid, context: Context) -> None:
     output_dir = settings.resolved_output_dir()
     output_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(settings.seed)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     phases: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    reference = None
-    if settings.model_path:
-        model, tokenizer = load_local_causal_lm(settings.model_path)
-        data = (
-            load_tofu_files(settings.data_path)
-            if settings.data_path
-            else generate_tofu(settings.seed, settings.num_authors, settings.qa_per_author)
-        )
-        substrate_info: dict[str, Any] = {"model_path": settings.model_path}
-    else:
-        substrate = load_substrate(
-            settings.substrate_config(),
-            Path(settings.cache_dir).expanduser() if settings.cache_dir else None,
-        )
-        model, tokenizer, data = substrate.model, substrate.tokenizer, substrate.data
-        reference = substrate.reference_model
-        substrate_info = {"folder": str(substrate.folder), **substrate.info}
+    run_model = load_run_model(settings)
+    model, tokenizer, data = run_model.model, run_model.tokenizer, run_model.data
+    reference = run_model.reference
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
 
@@ -105,10 +58,12 @@ def main(grid: Grid, context: Context) -> None:
     metrics: dict[str, Any] = {}
     reference_trs = None
     if reference is not None:
-        metrics["reference"] = _evaluate("reference", reference, tokenizer, splits, settings)
+        metrics["reference"] = evaluate_model("reference", reference, tokenizer, splits, settings)
         reference_trs = metrics["reference"]["forget_truth_ratios"]
         metrics["reference"]["forget_quality"] = 1.0 if reference_trs else None
-    metrics["before"] = _evaluate("original", model, tokenizer, splits, settings, reference_trs)
+    metrics["before"] = evaluate_model(
+        "original", model, tokenizer, splits, settings, reference_trs
+    )
     phases["evaluation_before"] = time.perf_counter() - t0
 
     assignments = tofu_assignments(
@@ -117,6 +72,8 @@ def main(grid: Grid, context: Context) -> None:
         num_forget_clients=settings.num_forget_clients,
         num_retain_clients=settings.num_retain_clients,
         retain_samples=settings.retain_samples,
+        num_forget_domains=settings.num_forget_domains,
+        retain_layout=settings.retain_layout,
         seed=settings.seed,
     )
     client_config = {
@@ -136,12 +93,7 @@ def main(grid: Grid, context: Context) -> None:
     }
     strategy = MergeStrategy(
         merge=settings.strategy,
-        merge_kwargs={
-            "gamma": settings.gamma,
-            "alpha": settings.alpha,
-            "eps0": settings.eps0,
-            "epsilon": settings.epsilon,
-        },
+        merge_parameters=settings.merge_parameters(),
         assignments=assignments,
         client_config=client_config,
         role_config={
@@ -163,7 +115,9 @@ def main(grid: Grid, context: Context) -> None:
     unlearned = copy.deepcopy(model)
     unlearned.load_state_dict(result.arrays.to_torch_state_dict())
     t0 = time.perf_counter()
-    metrics["after"] = _evaluate("unlearned", unlearned, tokenizer, splits, settings, reference_trs)
+    metrics["after"] = evaluate_model(
+        "unlearned", unlearned, tokenizer, splits, settings, reference_trs
+    )
     phases["evaluation_after"] = time.perf_counter() - t0
     phases["total"] = time.perf_counter() - run_started
 
@@ -175,13 +129,15 @@ def main(grid: Grid, context: Context) -> None:
             **(strategy.last_merge.report if strategy.last_merge else {}),
             "seconds": strategy.merge_seconds,
         },
-        "substrate": substrate_info,
+        "substrate": run_model.info,
         "assignments": [
             {"role": a.role, "domain": a.domain, "num_examples": len(a.indices)}
             for a in assignments
         ],
         "seconds": phases,
     }
+    if settings.save_uploads:
+        results["uploads"] = str(save_uploads(strategy.last_updates, output_dir / "uploads"))
     path = output_dir / "results.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=2))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from fedunlearn.models.substrate import SubstrateConfig
+from fedunlearn.scenarios import RETAIN_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,8 @@ class RunSettings:
     num_forget_clients: int = 5
     num_retain_clients: int = 1
     retain_samples: int = 200
+    num_forget_domains: int = 1
+    retain_layout: str = "random"
     data_path: str = ""
     # model
     model_path: str = ""
@@ -55,11 +59,17 @@ class RunSettings:
     alpha: float = 0.1
     eps0: float = 1e-8
     epsilon: float = math.inf
+    solver: str = "exact"
+    # baselines
+    ties_k: float = 0.2
+    fulm_threshold: float = 0.6
+    fulm_k: float = 0.3
     # evaluation and output
     eval_retain_samples: int = 200
     eval_max_new_tokens: int = 32
     eval_batch_size: int = 64
     output_dir: str = ""
+    save_uploads: bool = False
     round_timeout: float = 3600.0
     node_wait_timeout: float = 120.0
 
@@ -110,6 +120,10 @@ class RunSettings:
             raise ValueError(
                 f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}"
             )
+        if self.retain_layout not in RETAIN_LAYOUTS:
+            raise ValueError(
+                f"retain-layout must be one of {RETAIN_LAYOUTS}, got {self.retain_layout!r}"
+            )
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
 
@@ -128,6 +142,21 @@ class RunSettings:
             background_documents=self.substrate_background_documents,
         )
 
+    def merge_parameters(self) -> dict[str, Any]:
+        """Candidate merge keyword arguments; each merge takes those it names."""
+        params: dict[str, Any] = {
+            "gamma": self.gamma,
+            "alpha": self.alpha,
+            "eps0": self.eps0,
+            "epsilon": self.epsilon,
+            "solver": self.solver,
+        }
+        if self.strategy == "ties":
+            params["k"] = self.ties_k
+        elif self.strategy in ("fulm", "fulm-mean"):
+            params.update(k=self.fulm_k, threshold=self.fulm_threshold)
+        return params
+
     @property
     def num_clients(self) -> int:
         return self.num_forget_clients + self.num_retain_clients
@@ -143,7 +172,8 @@ class RunSettings:
                 )
             return path
         stamp = time.strftime("%Y%m%d-%H%M%S")
-        return (Path.cwd() / "outputs" / f"{self.scenario}-{self.strategy}-{stamp}").resolve()
+        strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.strategy)
+        return (Path.cwd() / "outputs" / f"{self.scenario}-{strategy}-{stamp}").resolve()
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

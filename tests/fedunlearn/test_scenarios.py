@@ -3,7 +3,7 @@
 import pytest
 
 from fedunlearn.benchmarks.tofu import generate_tofu
-from fedunlearn.scenarios import tofu_assignments
+from fedunlearn.scenarios import all_records, tofu_assignments
 
 
 @pytest.fixture(scope="module")
@@ -48,3 +48,31 @@ def test_bad_sizes_are_clear_errors(data):
         tofu_assignments(data, num_forget_clients=30)
     with pytest.raises(ValueError, match="exceed"):
         tofu_assignments(data, num_retain_clients=2, retain_samples=1000)
+
+
+def test_forget_domains_split_authors(data):
+    clients = tofu_assignments(
+        data, forget_percent=5.0, num_forget_clients=4, num_forget_domains=4, num_retain_clients=1
+    )
+    forget = [c for c in clients if c.role == "forget"]
+    assert [c.domain for c in forget] == [f"tofu-forget-{d}" for d in range(4)]
+    authors = [{data.author_qa[i]["author"] for i in c.indices} for c in forget]
+    assert all(a and not (a & b) for a in authors for b in authors if a is not b)
+    assert set().union(*authors) == set(data.forget_authors(5.0))  # 10 authors over 4 domains
+    with pytest.raises(ValueError, match="num_forget_domains=3 must be between 1 and the 2"):
+        tofu_assignments(data, forget_percent=1.0, num_forget_domains=3)
+
+
+def test_heterogeneous_retain_layout(data):
+    clients = tofu_assignments(
+        data, num_retain_clients=3, retain_samples=100, retain_layout="heterogeneous"
+    )
+    retain = [c for c in clients if c.role == "retain"]
+    assert [c.domain for c in retain] == ["retain-authors-a", "retain-world", "retain-authors-b"]
+    records = all_records(data)
+    world = [records[i] for i in retain[1].indices]
+    assert len(world) == 100 and all(r in data.real_authors + data.world_facts for r in world)
+    first = {records[i]["author"] for i in retain[0].indices}
+    last = {records[i]["author"] for i in retain[2].indices}
+    assert first and last and not first & last
+    assert not (first | last) & set(data.forget_authors(1.0))

@@ -71,23 +71,63 @@ def test_forgot_the_forget_authors_and_kept_the_rest(results):
     assert after["forget_quality"] > before["forget_quality"]
 
 
-def test_local_checkpoint_through_flower(tmp_path, tiny_model, tiny_tokenizer):
-    """model-path: any local Hugging Face causal LM runs through the same Flower pipeline."""
+SMALL_RUN = (
+    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
+    "eval-max-new-tokens=8"
+)
+
+
+@pytest.fixture()
+def checkpoint(tmp_path, tiny_model, tiny_tokenizer):
     tiny_model.save_pretrained(tmp_path / "ckpt")
     tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_local_checkpoint_through_flower(tmp_path, checkpoint):
+    """model-path: any local Hugging Face causal LM runs through the same Flower pipeline."""
     path = run_local.run(
-        run_config=(
-            f"model-path='{tmp_path / 'ckpt'}' num-authors=20 retain-samples=20 "
-            "eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 eval-max-new-tokens=8"
-        ),
+        run_config=f"model-path='{checkpoint}' {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )
     results = json.loads(path.read_text())
-    assert results["config"]["model-path"] == str(tmp_path / "ckpt")
+    assert results["config"]["model-path"] == str(checkpoint)
     assert "reference" not in results["metrics"]  # no retain-only model for a foreign checkpoint
     assert results["metrics"]["after"]["forget_quality"] is None
     assert sorted(c["role"] for c in results["clients"]) == ["forget"] * 5 + ["retain"]
     assert sum(c["num_examples"] for c in results["clients"] if c["role"] == "forget") == 10
     assert len(results["merge"]["tensors"]) == 2 * 7
+    assert results["metrics"]["after"] != results["metrics"]["before"]
+
+
+PLUGIN = """
+import torch
+from fedunlearn.merging import MergeResult
+
+def half_sum(updates, *, gamma=1.0):
+    forget = [u for u in updates if u.role == "forget"]
+    delta = {k: 0.5 * gamma * sum(u.task_vector[k] for u in forget) for k in forget[0].task_vector}
+    norm = float(torch.sqrt(sum((d.double() ** 2).sum() for d in delta.values())))
+    return MergeResult(delta=delta, report={"method": "half-sum", "norm_final": norm,
+                                            "clients": len(updates)})
+"""
+
+
+def test_plugin_merge_through_flower(tmp_path, checkpoint, monkeypatch):
+    """A merge defined outside the repository runs via strategy='module:function'."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "my_merges.py").write_text(PLUGIN)
+    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    path = run_local.run(
+        run_config=f"model-path='{checkpoint}' strategy='my_merges:half_sum' gamma=0.5 {SMALL_RUN}",
+        output_dir=tmp_path / "out",
+        flwr_home=tmp_path / "flwr_home",
+    )
+    results = json.loads(path.read_text())
+    merge = results["merge"]
+    assert merge["method"] == "half-sum" and merge["clients"] == 6
+    assert merge["norm_final"] > 0
+    assert results["config"]["strategy"] == "my_merges:half_sum"
     assert results["metrics"]["after"] != results["metrics"]["before"]

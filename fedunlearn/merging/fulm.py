@@ -1,0 +1,224 @@
+"""FULM: hierarchical federated unlearning merge (Zhong et al. 2025; SPEC §2.2).
+
+1. cosine similarity ``S_ij`` between every pair of clients' task vectors, flattened over ALL
+   tensors; computed by accumulating dot products and squared norms tensor by tensor (and in
+   chunks inside a tensor, in float64), never by concatenating the model;
+2. clients ``i, j`` are linked when ``S_ij >= threshold`` (``τ``, default 0.6); the clusters
+   are the connected components, forget and retain clients alike, ordered by their first
+   member's position in ``updates`` (members keep the input order);
+3. the centroid of each cluster is the TIES combination (:func:`ties_combine`, trim / elect /
+   disjoint mean) of its members with support fraction ``k`` (default 0.3); a singleton
+   cluster's centroid is its member's task vector trimmed to its top-``k`` entries;
+4. ``Δ = gamma · Σ_c centroid_c`` (``fulm``) or ``gamma · mean_c centroid_c`` (``fulm-mean``).
+
+A client whose task vector is exactly zero has similarity 0 with every other client (and 1
+with itself).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from ._common import as_real, check_gamma, check_k, compute_dtype, l2, node_ids, out_dtype
+from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .ties import ties_combine
+
+#: Default link threshold ``τ`` on the cosine similarity.
+DEFAULT_THRESHOLD = 0.6
+#: Default TIES support fraction inside a cluster.
+DEFAULT_K = 0.3
+#: Entries per chunk when accumulating the Gram matrix (bounds memory to n·chunk float64s).
+_SIM_CHUNK = 1 << 20
+#: Decimal places of the similarity matrix in the report.
+_REPORT_DIGITS = 6
+
+
+def _check_threshold(threshold: float) -> float:
+    t = as_real("threshold", threshold)
+    if not -1.0 <= t <= 1.0:  # also rejects NaN
+        raise ValueError(
+            f"threshold (cosine-similarity link threshold) must be in [-1, 1], got {t}"
+        )
+    return t
+
+
+def client_similarity(
+    updates: Sequence[ClientUpdate], keys: Sequence[str] | None = None
+) -> torch.Tensor:
+    """Cosine similarity (float64, CPU, ``n × n``) between the clients' flattened task vectors.
+
+    The dot products and squared norms are accumulated tensor by tensor over ``keys`` (default:
+    every tensor of the first update), in float64 chunks of at most ``_SIM_CHUNK`` entries, so
+    the model is never concatenated.  Values are clipped to ``[-1, 1]``; a zero task vector has
+    similarity 0 with the other clients; the diagonal is 1.
+    """
+    if keys is None:
+        keys = validate_updates(updates)
+    n = len(updates)
+    gram = torch.zeros((n, n), dtype=torch.float64)
+    for key in keys:
+        device = updates[0].task_vector[key].device
+        flats = [u.task_vector[key].reshape(-1) for u in updates]
+        d = flats[0].numel()
+        for start in range(0, d, _SIM_CHUNK):
+            block = torch.stack(
+                [
+                    f[start : start + _SIM_CHUNK].to(device=device, dtype=torch.float64)
+                    for f in flats
+                ]
+            )
+            gram.add_((block @ block.T).cpu())
+            del block
+    sq = gram.diagonal().clone()
+    norms = sq.sqrt()
+    denom = norms[:, None] * norms[None, :]
+    sim = torch.where(denom > 0, gram / denom.clamp_min(torch.finfo(torch.float64).tiny), 0.0)
+    sim = sim.clamp(-1.0, 1.0)
+    sim.fill_diagonal_(1.0)
+    return sim
+
+
+def cluster_clients(similarity: torch.Tensor, threshold: float) -> list[list[int]]:
+    """Connected components of the graph linking ``i != j`` when ``similarity[i, j] >= threshold``.
+
+    Returns lists of positions; each cluster is sorted, clusters are ordered by their smallest
+    member.  Deterministic.
+    """
+    thr = _check_threshold(threshold)
+    n = similarity.shape[0]
+    if similarity.shape != (n, n):
+        raise ValueError(f"similarity must be square, got shape {tuple(similarity.shape)}")
+    parent = list(range(n))
+
+    def find(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    linked = (similarity >= thr).tolist()
+    for i in range(n):
+        for j in range(i + 1, n):
+            if linked[i][j] or linked[j][i]:
+                ri, rj = find(i), find(j)
+                if ri != rj:
+                    parent[max(ri, rj)] = min(ri, rj)
+    clusters: dict[int, list[int]] = {}
+    for i in range(n):
+        clusters.setdefault(find(i), []).append(i)
+    return sorted(clusters.values(), key=lambda c: c[0])
+
+
+def _distinct(values: Sequence[str | None]) -> list[str]:
+    out: list[str] = []
+    for v in values:
+        if v is not None and v not in out:
+            out.append(v)
+    return out
+
+
+def _fulm(
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float,
+    threshold: float,
+    k: float,
+    combine: str,
+) -> MergeResult:
+    g = check_gamma(gamma)
+    thr = _check_threshold(threshold)
+    kf = check_k(k)
+    keys = validate_updates(updates)
+
+    sim = client_similarity(updates, keys)
+    clusters = cluster_clients(sim, thr)
+    scale = g if combine == "sum" else g / len(clusters)
+
+    delta: dict[str, torch.Tensor] = {}
+    tensors_report: dict[str, dict] = {}
+    total_sq = 0.0
+    for key in keys:
+        dtype = out_dtype(updates, key)
+        ref = updates[0].task_vector[key]
+        acc = torch.zeros_like(ref, dtype=compute_dtype(dtype))
+        centroid_norms: list[float] = []
+        agreement: list[float] = []
+        for members in clusters:
+            centroid, stats = ties_combine([updates[i].task_vector[key] for i in members], kf)
+            centroid_norms.append(l2(centroid))
+            agreement.append(stats["sign_agreement"])
+            acc.add_(centroid.to(device=acc.device, dtype=acc.dtype))
+            del centroid
+        final = acc.mul_(scale).to(dtype)
+        del acc
+        norm = l2(final)
+        total_sq += norm**2
+        tensors_report[key] = {
+            "norm": norm,
+            "centroid_norms": centroid_norms,
+            "sign_agreement": agreement,
+        }
+        delta[key] = final
+
+    ids = node_ids(updates)
+    report = {
+        "method": "fulm" if combine == "sum" else "fulm-mean",
+        "params": {"gamma": g, "threshold": thr, "k": kf, "combine": combine},
+        "clients": ids,
+        "similarity": [[round(v, _REPORT_DIGITS) for v in row] for row in sim.tolist()],
+        "clusters": [[ids[i] for i in members] for members in clusters],
+        "cluster_roles": [_distinct([updates[i].role for i in members]) for members in clusters],
+        "cluster_domains": [
+            _distinct([updates[i].domain for i in members]) for members in clusters
+        ],
+        "num_clusters": len(clusters),
+        "tensors": tensors_report,
+        "norm_final": math.sqrt(total_sq),
+    }
+    return MergeResult(delta=delta, report=report)
+
+
+@register_merge("fulm")
+def fulm_merge(
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float = 1.0,
+    threshold: float = DEFAULT_THRESHOLD,
+    k: float = DEFAULT_K,
+) -> MergeResult:
+    """FULM merge (SPEC §2.2): ``Δ = gamma · Σ_c`` TIES centroid of similarity cluster ``c``.
+
+    Args:
+        updates: client summaries, forget and retain alike (all are clustered and merged).
+        gamma: global scale ``gamma``.
+        threshold: link threshold ``τ`` in ``[-1, 1]`` on the cosine similarity (default 0.6).
+        k: TIES support fraction inside a cluster, in ``(0, 1]`` (default 0.3).
+
+    Returns:
+        :class:`MergeResult` with ``delta`` in the task-vector dtype and a JSON-serialisable
+        ``report``: ``method``, ``params``, ``clients`` (str node ids, the order of the
+        similarity rows), ``similarity`` (list of lists, rounded to 6 decimals), ``clusters``
+        (lists of str node ids), ``cluster_roles`` and ``cluster_domains`` (distinct roles /
+        non-``None`` domains per cluster), ``num_clusters``, ``tensors`` (per key: ``norm``,
+        ``centroid_norms`` and ``sign_agreement`` per cluster, centroids unscaled) and
+        ``norm_final`` (global L2 norm of ``Δ``).
+    """
+    return _fulm(updates, gamma=gamma, threshold=threshold, k=k, combine="sum")
+
+
+@register_merge("fulm-mean")
+def fulm_mean_merge(
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float = 1.0,
+    threshold: float = DEFAULT_THRESHOLD,
+    k: float = DEFAULT_K,
+) -> MergeResult:
+    """FULM-MEAN merge (SPEC §2.2 variant): ``Δ = gamma · mean_c`` of the cluster centroids.
+
+    Same arguments and report as :func:`fulm_merge` (``method`` = ``"fulm-mean"``).
+    """
+    return _fulm(updates, gamma=gamma, threshold=threshold, k=k, combine="mean")

@@ -1,0 +1,161 @@
+"""γ sweeps of several server merges on one scenario, and the forgetting–utility frontier.
+
+How each point is obtained: ONE real Flower simulation runs the clients (5 forget + 1 retain
+by default) and saves their uploads; every (strategy, γ) point is then a re-merge of those
+same uploads followed by the server's evaluation. This is honest for single-round merges:
+clients train from the same θ₀ whatever the server does with their uploads, so a separate
+Flower run per point would produce the same uploads (seeded) and differ only in cost.
+
+    python -m simulations.sweep --strategies firm,fulm,ties,sum,avg --run-config "..."
+
+Writes ``points/<strategy>-g<γ>.json``, ``summary.json``, ``summary.md`` and
+``frontier.png`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import json
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fedunlearn.uploads import load_uploads
+from simulations import run_local
+from simulations.frontier import matched_forgetting, plot_frontier, summary_markdown
+from strategies.merge_plugins import merge_kwargs, resolve_merge
+from strategies.results import json_safe
+from strategies.run_setup import evaluate_model, evaluation_splits, load_run_model
+from strategies.settings import RunSettings
+
+DEFAULT_GAMMAS = {
+    "firm": [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 16.0],
+    "fulm": [0.25, 0.5, 1.0, 1.5, 2.0, 3.0],
+    "fulm-mean": [0.5, 1.0, 2.0, 3.0, 4.0, 6.0],
+    "ties": [1.0, 2.0, 3.0, 4.0, 6.0, 8.0],
+    "sum": [0.2, 0.4, 0.6, 0.8, 1.0, 1.5],
+    "avg": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0],
+}
+POINT_METRICS = (
+    "forget_rouge_l",
+    "forget_exact_match",
+    "forget_truth_ratio",
+    "forget_quality",
+    "model_utility",
+    "retain_rouge_l",
+    "retain_exact_match",
+    "real_authors_rouge_l",
+    "world_facts_rouge_l",
+)
+
+
+def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
+    """``"firm=2,4,8 fulm=0.5,1"`` → per-strategy grids (defaults for the others)."""
+    grids = {s: DEFAULT_GAMMAS.get(s, [0.5, 1.0, 2.0, 4.0]) for s in strategies}
+    for part in text.split():
+        name, _, values = part.partition("=")
+        if name not in grids:
+            raise ValueError(f"--gammas names {name!r}, which is not in --strategies")
+        grids[name] = [float(v) for v in values.split(",") if v]
+    return grids
+
+
+def settings_for(run_config: str) -> RunSettings:
+    defaults = tomllib.loads((run_local.REPO_ROOT / "pyproject.toml").read_text())
+    config = {**defaults["tool"]["flwr"]["app"]["config"]}
+    config.update(run_local.parse_config_pairs(run_config) if run_config else {})
+    return RunSettings.from_run_config(config)
+
+
+def apply_delta(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A copy of ``model`` with θ ← θ₀ + Δ."""
+    merged = copy.deepcopy(model)
+    params = dict(merged.named_parameters())
+    with torch.no_grad():
+        for key, value in delta.items():
+            params[key] += value.to(params[key].dtype)
+    return merged
+
+
+def sweep(
+    strategies: list[str],
+    grids: dict[str, list[float]],
+    run_config: str,
+    output_dir: Path,
+) -> dict[str, Any]:
+    """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    base_config = f"{run_config} save-uploads=true".strip()
+    run_results_path = run_local.run(base_config, output_dir=output_dir / "flower-run")
+    run_results = json.loads(run_results_path.read_text())
+    settings = settings_for(base_config)
+    run_model = load_run_model(settings, show_progress=False)
+    splits = evaluation_splits(run_model.data, settings)
+    reference = run_results["metrics"].get("reference")
+    reference_trs = reference["forget_truth_ratios"] if reference else None
+    updates = load_uploads(output_dir / "flower-run" / "uploads")
+    points = []
+    (output_dir / "points").mkdir(exist_ok=True)
+    jobs = [(s, g) for s in strategies for g in grids[s]]
+    for strategy, gamma in tqdm(jobs, desc="re-merge + evaluate", unit="point"):
+        fn = resolve_merge(strategy)
+        params = dataclasses.replace(settings, strategy=strategy, gamma=gamma)
+        kwargs = merge_kwargs(fn, params.merge_parameters())
+        started = time.perf_counter()
+        result = fn(updates, **kwargs)
+        merge_seconds = time.perf_counter() - started
+        merged = apply_delta(run_model.model, result.delta)
+        metrics = evaluate_model(
+            f"{strategy} γ={gamma}", merged, run_model.tokenizer, splits, settings, reference_trs
+        )
+        point = {
+            "strategy": strategy,
+            "gamma": gamma,
+            "merge_kwargs": kwargs,
+            "merge_seconds": merge_seconds,
+            "norm_final": result.report.get("norm_final"),
+            "metrics": {k: metrics.get(k) for k in POINT_METRICS},
+            "how": "re-merge of the uploads saved by one Flower simulation",
+        }
+        (output_dir / "points" / f"{strategy}-g{gamma:g}.json").write_text(
+            json.dumps(json_safe({**point, "report": result.report}), indent=2)
+        )
+        points.append(point)
+    summary = {
+        "flower_run": str(run_results_path),
+        "before": {k: run_results["metrics"]["before"].get(k) for k in POINT_METRICS},
+        "reference": {k: reference.get(k) for k in POINT_METRICS} if reference else None,
+        "points": points,
+        "matched_forgetting": matched_forgetting(points, anchor="firm"),
+    }
+    (output_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
+    (output_dir / "summary.md").write_text(summary_markdown(summary))
+    plot_frontier(summary, output_dir / "frontier.png")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--strategies", default="firm,fulm,ties,sum,avg")
+    parser.add_argument("--gammas", default="", help='e.g. "firm=2,4,8 fulm=0.5,1"')
+    parser.add_argument("--run-config", default="", help="run-config overrides for the scenario")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    strategies = [s for s in args.strategies.split(",") if s]
+    grids = parse_gammas(args.gammas, strategies)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"sweep-{stamp}").resolve()
+    summary = sweep(strategies, grids, args.run_config, output_dir)
+    print(summary_markdown(summary))
+    print(f"\nsweep written to {output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
