@@ -26,12 +26,13 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fedunlearn.merging import ClientUpdate
 from fedunlearn.uploads import load_uploads
 from simulations import run_local
 from simulations.frontier import matched_forgetting, plot_frontier, summary_markdown
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 from strategies.results import json_safe
-from strategies.run_setup import evaluate_model, evaluation_splits, load_run_model
+from strategies.run_setup import RunModel, evaluate_model, evaluation_splits, load_run_model
 from strategies.settings import RunSettings
 
 DEFAULT_GAMMAS = {
@@ -83,6 +84,53 @@ def apply_delta(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> torch
     return merged
 
 
+@dataclasses.dataclass
+class FlowerUploads:
+    """One real Flower simulation's uploads plus what is needed to evaluate re-merges."""
+
+    settings: RunSettings
+    results: dict[str, Any]
+    results_path: Path
+    run_model: RunModel
+    splits: dict[str, list[dict]]
+    reference_truth_ratios: list[float] | None
+    updates: list[ClientUpdate]
+
+    def evaluate(
+        self,
+        name: str,
+        delta: dict[str, torch.Tensor],
+        splits: dict[str, list[dict]] | None = None,
+        with_reference: bool = True,
+    ) -> dict[str, Any]:
+        """Metrics of θ₀ + Δ on the run's splits (or ``splits``); forget quality only when
+        the forget split is the one the reference truth ratios were measured on."""
+        merged = apply_delta(self.run_model.model, delta)
+        reference = self.reference_truth_ratios if with_reference else None
+        return evaluate_model(
+            name, merged, self.run_model.tokenizer, splits or self.splits, self.settings, reference
+        )
+
+
+def run_and_load_uploads(run_config: str, output_dir: Path) -> FlowerUploads:
+    """Run the clients in a real Flower simulation (uploads saved), then load everything."""
+    config = f"{run_config} save-uploads=true".strip()
+    results_path = run_local.run(config, output_dir=output_dir)
+    results = json.loads(results_path.read_text())
+    settings = settings_for(config)
+    run_model = load_run_model(settings, show_progress=False)
+    reference = results["metrics"].get("reference")
+    return FlowerUploads(
+        settings=settings,
+        results=results,
+        results_path=results_path,
+        run_model=run_model,
+        splits=evaluation_splits(run_model.data, settings),
+        reference_truth_ratios=reference["forget_truth_ratios"] if reference else None,
+        updates=load_uploads(output_dir / "uploads"),
+    )
+
+
 def sweep(
     strategies: list[str],
     grids: dict[str, list[float]],
@@ -91,15 +139,9 @@ def sweep(
 ) -> dict[str, Any]:
     """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    base_config = f"{run_config} save-uploads=true".strip()
-    run_results_path = run_local.run(base_config, output_dir=output_dir / "flower-run")
-    run_results = json.loads(run_results_path.read_text())
-    settings = settings_for(base_config)
-    run_model = load_run_model(settings, show_progress=False)
-    splits = evaluation_splits(run_model.data, settings)
-    reference = run_results["metrics"].get("reference")
-    reference_trs = reference["forget_truth_ratios"] if reference else None
-    updates = load_uploads(output_dir / "flower-run" / "uploads")
+    flower = run_and_load_uploads(run_config, output_dir / "flower-run")
+    settings, updates = flower.settings, flower.updates
+    run_results, reference = flower.results, flower.results["metrics"].get("reference")
     points = []
     (output_dir / "points").mkdir(exist_ok=True)
     jobs = [(s, g) for s in strategies for g in grids[s]]
@@ -110,10 +152,7 @@ def sweep(
         started = time.perf_counter()
         result = fn(updates, **kwargs)
         merge_seconds = time.perf_counter() - started
-        merged = apply_delta(run_model.model, result.delta)
-        metrics = evaluate_model(
-            f"{strategy} γ={gamma}", merged, run_model.tokenizer, splits, settings, reference_trs
-        )
+        metrics = flower.evaluate(f"{strategy} γ={gamma}", result.delta)
         point = {
             "strategy": strategy,
             "gamma": gamma,
@@ -128,7 +167,7 @@ def sweep(
         )
         points.append(point)
     summary = {
-        "flower_run": str(run_results_path),
+        "flower_run": str(flower.results_path),
         "before": {k: run_results["metrics"]["before"].get(k) for k in POINT_METRICS},
         "reference": {k: reference.get(k) for k in POINT_METRICS} if reference else None,
         "points": points,

@@ -131,8 +131,8 @@ def main(grid: Grid, context: Context) -> None:
         },
         "substrate": run_model.info,
         "assignments": [
-            {"role": a.role, "domain": a.domain, "num_examples": len(a.indices)}
-            for a in assignments
+            {"node_id": node_id, "role": a.role, "domain": a.domain, "indices": list(a.indices)}
+            for node_id, a in strategy.node_assignment.items()
         ],
         "seconds": phases,
     }

@@ -20,7 +20,20 @@ from collections.abc import Sequence
 import torch
 
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
-from .projection import check_solver, fisher_damage, project_retention
+from .projection import DEFAULT_SOLVER, check_solver, project_retention
+
+# Solver summary and KKT certificate copied from project_retention's report, per tensor.
+_PROJECTION_KEYS: tuple[str, ...] = (
+    "iterations",
+    "sweeps",
+    "converged",
+    "feasibility_pass",
+    "max_violation",
+    "active",
+    "max_primal_violation",
+    "max_complementary_slackness",
+    "duality_gap",
+)
 
 
 def support_size(numel: int, alpha: float) -> int:
@@ -135,7 +148,7 @@ def firm_merge(
     gamma_forget: float | None = None,
     gamma_retain: float | None = None,
     max_iter: int = 500,
-    solver: str = "increase-only",
+    solver: str = DEFAULT_SOLVER,
     tol: float | None = None,
 ) -> MergeResult:
     """FIRM merge (SPEC §2.3) with the optional retention projection (SPEC §2.4).
@@ -150,7 +163,10 @@ def firm_merge(
             the projection ("FIRM-base").
         gamma_forget, gamma_retain: separate scales ``gamma_F``, ``gamma_R`` of ``Δ_F``, ``Δ_R``.
         max_iter: solver iteration cap (see :func:`project_retention`).
-        solver: projection solver name, ``"increase-only"``.
+        solver: projection solver, ``"exact"`` (default: the closest feasible point, with a
+            KKT certificate) or ``"increase-only"`` (the paper's routine: feasible, but for
+            more than one retain client not necessarily optimal); see
+            :func:`project_retention`.
         tol: projection tolerance ``τ`` (default ``max(1e-4·epsilon, 1e-12)``).
 
     Returns:
@@ -160,8 +176,12 @@ def firm_merge(
         (per key: ``norm_base``, ``norm_final``, ``norm_forget_term`` = ‖gamma_F·Δ_F‖,
         ``norm_retain_term`` = ‖gamma_R·Δ_R‖, ``support_fraction`` = fraction of non-zero
         entries of the final update, ``damage_before`` / ``damage_after`` / ``multipliers`` per
-        retain client, ``projection``), and totals ``norm_base`` and ``norm_final``.  All
-        reported damages and norms of the final update are computed after the dtype cast.
+        retain client, ``projection`` = the solver summary ``iterations``, ``sweeps``,
+        ``converged``, ``feasibility_pass``, ``max_violation``, ``active`` and the KKT
+        certificate ``max_primal_violation``, ``max_complementary_slackness``,
+        ``duality_gap`` of :func:`project_retention`), and totals ``norm_base`` and
+        ``norm_final``.  All reported damages and norms of the final update are computed after
+        the dtype cast (the KKT certificate before it).
     """
     gamma_f = float(gamma if gamma_forget is None else gamma_forget)
     gamma_r = float(gamma if gamma_retain is None else gamma_retain)
@@ -213,27 +233,16 @@ def firm_merge(
         norm_forget, norm_retain = _norm(forget_term), _norm(retain_term)
         del forget_term, retain_term
 
-        if project:
-            final, proj = project_retention(
-                base,
-                retain_ft,
-                epsilon,
-                solver=solver,
-                max_iter=max_iter,
-                tol=tol,
-                out_dtype=out_dtype,
-            )
-        else:
-            final = base.to(out_dtype)
-            damage_before = [fisher_damage(base, ft) for ft in retain_ft]
-            proj = {
-                "multipliers": [0.0] * len(retain),
-                "damage_before": damage_before,
-                "damage_after": [fisher_damage(final, ft) for ft in retain_ft],
-                "iterations": 0,
-                "max_violation": 0.0,
-                "active": False,
-            }
+        # With an infinite budget (or no retain client) this only casts and reports damages.
+        final, proj = project_retention(
+            base,
+            retain_ft,
+            epsilon if project else math.inf,
+            solver=solver,
+            max_iter=max_iter,
+            tol=tol,
+            out_dtype=out_dtype,
+        )
         del retain_ft
 
         norm_base, norm_final = _norm(base), _norm(final)
@@ -249,11 +258,7 @@ def firm_merge(
             "damage_before": dict(zip(retain_ids, proj["damage_before"], strict=True)),
             "damage_after": dict(zip(retain_ids, proj["damage_after"], strict=True)),
             "multipliers": dict(zip(retain_ids, proj["multipliers"], strict=True)),
-            "projection": {
-                "iterations": int(proj["iterations"]),
-                "max_violation": float(proj["max_violation"]),
-                "active": bool(proj["active"]),
-            },
+            "projection": {key_: proj[key_] for key_ in _PROJECTION_KEYS},
         }
         delta[key] = final
         del base

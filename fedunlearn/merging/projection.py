@@ -6,18 +6,46 @@ Given the base merge ``Δ_base`` of one tensor and the sparsified, normalised Fi
     minimise   ½‖Δ − Δ_base‖²
     subject to b_k(Δ) = Σ_j F̃_k(j)·Δ(j)² ≤ epsilon        (k = 1..m)
 
-For multipliers ``λ ≥ 0`` the minimiser is the coordinate-wise shrinkage
+For multipliers ``λ ≥ 0`` the minimiser of the Lagrangian is the coordinate-wise shrinkage
 ``Δ(λ)(j) = Δ_base(j) / (1 + 2 Σ_k λ_k F̃_k(j))``, and every ``b_k(Δ(λ))`` is decreasing in
-every ``λ_l``.  The ``"increase-only"`` solver (the paper's routine) sweeps the constraints and
-raises the multiplier of each violated one, holding the others fixed, until it holds; since
-raising a multiplier never violates a satisfied constraint, the result is always feasible.  For
-m = 1 this is the exact projection (bracket by doubling, then bisection); for m > 1 it is
-feasible but not necessarily the closest feasible point.
+every ``λ_l``.  The dual ``g(λ) = ½‖Δ(λ) − Δ_base‖² + Σ_k λ_k (b_k(Δ(λ)) − epsilon)``
+simplifies to ``½ Σ_j Δ_base(j)²·s_j/(1 + s_j) − epsilon·Σ_k λ_k`` with
+``s_j = 2 Σ_k λ_k F̃_k(j)``; it is concave with ``∂g/∂λ_k = b_k(Δ(λ)) − epsilon``.
+
+Solvers:
+
+* ``"exact"`` (default): maximises the dual.  Cyclic exact coordinate ascent — for each k,
+  holding the others, ``λ_k = 0`` if constraint k then holds, else the root of
+  ``b_k = epsilon`` in ``λ_k`` (found by a safeguarded Newton iteration, see
+  :func:`_coordinate_root`) — so multipliers may DECREASE.  After every sweep one Newton (SQP)
+  step on the dual is tried: the concave quadratic model of ``g`` is maximised exactly over
+  ``λ ≥ 0`` (a small m × m active-set QP, which also decides which multipliers are zero) and the
+  step is kept, after backtracking, only if it raises the dual (or, once the dual is flat to
+  rounding, keeps it and reduces the KKT residual).  This turns the linear — with strongly
+  overlapping retain Fisher masks, crawling — rate of coordinate ascent into a fast local one;
+  the sweeps alone guarantee convergence.  Sweeps stop once no multiplier moves by more than a
+  relative ``1e-10``.  If a tiny violation ``b_k > epsilon`` is left at that point, a final
+  feasibility pass raises only the violated multipliers (raising never violates another
+  constraint).  The result is the unique closest feasible point up to the solver accuracy.
+* ``"increase-only"``: the paper's routine.  It sweeps the constraints and raises the
+  multiplier of each violated one (bracket by doubling, then bisection until
+  ``epsilon − τ ≤ b_k ≤ epsilon``), holding the others fixed, until all hold.  Raising a
+  multiplier never violates a satisfied constraint, so the result is always feasible, but for
+  m > 1 it is not necessarily the closest feasible point (its multipliers can overshoot and are
+  never lowered again).
+
+For m = 1 both names coincide mathematically and run the same code (the ``"exact"`` path: one
+root solve, which is the projection).
 
 All solver arithmetic is done in float64 on the coordinates where some ``F̃_k`` is positive and
-``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``).  The solver returns the upper end of its
-bracket, so ``b_k ≤ epsilon`` holds in float64; the cast to the output dtype rounds toward zero,
-so it cannot increase any ``|Δ(j)|`` and feasibility survives the cast.
+``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``).  Both solvers end on a point with
+``b_k ≤ epsilon`` in float64 (the exact solver aims at ``epsilon·(1 − 1e-12)`` so that this
+survives summing in another order); the cast to the output dtype rounds toward zero, so it cannot
+increase any ``|Δ(j)|`` and feasibility survives the cast.
+
+Every call reports a KKT certificate for the float64 point before the cast: the largest primal
+violation ``max_k (b_k − epsilon)₊``, the largest complementary slackness
+``max_k |λ_k (b_k − epsilon)|`` and the duality gap ``½‖Δ* − Δ_base‖² − g(λ)``.
 """
 
 from __future__ import annotations
@@ -27,10 +55,24 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-SOLVERS: tuple[str, ...] = ("increase-only",)
-PLANNED_SOLVERS: tuple[str, ...] = ("exact",)
+SOLVERS: tuple[str, ...] = ("exact", "increase-only")
+PLANNED_SOLVERS: tuple[str, ...] = ()
+DEFAULT_SOLVER = "exact"
 
 _MAX_DOUBLINGS = 2000
+# Sweeps of the exact solver stop once no multiplier moves by more than this (relative).
+_LAMBDA_RTOL = 1e-10
+# Newton iterations of a coordinate root stop once the step is below this (relative).
+_NEWTON_RTOL = 2.0**-46
+# Relative slack on the dual when accepting an accelerated Newton step (rounding only).
+_DUAL_SLACK = 1e-13
+_MAX_BACKTRACKS = 20
+# Relative ridge added to the dual Hessian model in the Newton (SQP) step.
+_QP_RIDGE = 1e-14
+# The exact solver targets epsilon·(1 − _SAFETY): summing the damage of the result in another
+# order (e.g. over the whole tensor, as ``fisher_damage`` does) can differ by a few ulps, and
+# ``b_k ≤ epsilon`` must still hold then.  The effect on optimality is of relative order 1e-12.
+_SAFETY = 1e-12
 
 
 def fisher_damage(delta: torch.Tensor, fisher_sparse: torch.Tensor) -> float:
@@ -68,6 +110,30 @@ def check_solver(solver: str) -> None:
     raise ValueError(f"unknown projection solver {solver!r}; available: {list(SOLVERS)}")
 
 
+# --------------------------------------------------------------------------- shared helpers
+def _denominator(lam: torch.Tensor, fs: torch.Tensor) -> torch.Tensor:
+    """``1 + 2 Σ_k λ_k F̃_k(j)`` on the support."""
+    return 1.0 + 2.0 * (lam @ fs)
+
+
+def _damages(weights: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``b_k(Δ(λ)) = Σ_j F̃_k(j)·Δ_base(j)² / den(j)²`` for every k, shape ``(m,)``."""
+    return (weights / (den * den)).sum(dim=1)
+
+
+def _dual(base_sq: torch.Tensor, den: torch.Tensor, lam: torch.Tensor, epsilon: float) -> float:
+    """``g(λ) = ½ Σ_j Δ_base(j)²·s_j/(1 + s_j) − epsilon·Σ_k λ_k`` with ``s = den − 1``."""
+    return 0.5 * float((base_sq * ((den - 1.0) / den)).sum()) - epsilon * float(lam.sum())
+
+
+def _kkt_residual(lam: torch.Tensor, b: torch.Tensor, epsilon: float) -> float:
+    """Projected dual gradient: ``|b_k − epsilon|`` where ``λ_k > 0``, ``(b_k − epsilon)₊``."""
+    r = b - epsilon
+    res = torch.where(lam > 0, r.abs(), r.clamp(min=0.0))
+    return float(res.max()) if res.numel() else 0.0
+
+
+# --------------------------------------------------------------------- increase-only (paper)
 def _solve_one(
     damage: Callable[[float], float],
     lam0: float,
@@ -112,12 +178,280 @@ def _solve_one(
     return hi, iters + bisections
 
 
+def _increase_only(
+    fs: torch.Tensor, weights: torch.Tensor, epsilon: float, tau: float, max_iter: int
+) -> tuple[torch.Tensor, int, int, bool]:
+    """The paper's routine.  Returns ``(λ, sweeps, iterations, stopped_by_itself)``."""
+    m = fs.shape[0]
+    fmax = [float(fs[k].max()) if fs.shape[1] else 0.0 for k in range(m)]
+    lam_t = torch.zeros(m, dtype=torch.float64, device=fs.device)
+    iterations = 0
+    sweeps = 0
+    finished = False
+    while sweeps < max_iter:
+        sweeps += 1
+        changed = False
+        for k in range(m):
+            den = _denominator(lam_t, fs)
+            b_k = float((weights[k] / (den * den)).sum())
+            if b_k <= epsilon:
+                continue
+            other = den - 2.0 * lam_t[k] * fs[k]
+            wk, fk = weights[k], fs[k]
+
+            def damage(
+                x: float,
+                wk: torch.Tensor = wk,
+                fk: torch.Tensor = fk,
+                other: torch.Tensor = other,
+            ) -> float:
+                dd = other + 2.0 * x * fk
+                return float((wk / (dd * dd)).sum())
+
+            new_lam, it = _solve_one(damage, float(lam_t[k]), b_k, fmax[k], epsilon, tau, max_iter)
+            lam_t[k] = new_lam
+            iterations += it
+            changed = True
+        if not changed:
+            finished = True
+            break
+    return lam_t, sweeps, iterations, finished
+
+
+# ------------------------------------------------------------------------------ exact solver
+def _coordinate_root(
+    wk: torch.Tensor,
+    fk: torch.Tensor,
+    other: torch.Tensor,
+    epsilon: float,
+    x0: float,
+    max_iter: int,
+) -> tuple[float, int]:
+    """Smallest ``x ≥ 0`` (to rounding) with ``φ(x) = Σ_j wk/(other + 2x·fk)² ≤ epsilon``.
+
+    Requires ``φ(0) > epsilon``.  ``ψ = φ^(-1/2)`` is the (scaled) power mean ``M_-2`` of the
+    affine functions ``other + 2x·fk`` and hence increasing and concave in ``x`` (exactly linear
+    when a single coordinate is involved), so Newton's method on ``ψ(x) = epsilon^(-1/2)``
+    converges from any start: a step from the right of the root lands at or left of it (clamped
+    at 0, where ``φ > epsilon``), and from the left the iterates increase monotonically to the
+    root.  The iteration starts at the warm start ``x0``.  The root is finally nudged up, by
+    doubling steps of relative size ``2^-52``, to the feasible side.  Returns
+    ``(x, evaluations)``.
+    """
+    x = max(float(x0), 0.0)
+    evals = 0
+    been_left = False
+    for _ in range(max_iter):
+        den = other + 2.0 * x * fk
+        q = wk / (den * den)
+        phi = float(q.sum())
+        dphi = -4.0 * float((q * fk / den).sum())
+        evals += 1
+        if phi <= epsilon and been_left:
+            return x, evals  # crossed the root from the left: only rounding is left
+        if phi == epsilon or not dphi < 0.0:
+            break
+        been_left = phi > epsilon
+        new = max(x + 2.0 * phi * (1.0 - math.sqrt(phi / epsilon)) / dphi, 0.0)
+        moved = abs(new - x)
+        x = new
+        if moved <= _NEWTON_RTOL * x:
+            break
+    # Nudge to the feasible side (Newton from the left stops just short of the root).
+    step = max(x, 1e-300) * 2.0**-52
+    doublings = 0
+    while True:
+        dd = other + 2.0 * x * fk
+        evals += 1
+        if float((wk / (dd * dd)).sum()) <= epsilon:
+            return x, evals
+        x += step
+        step *= 2.0
+        doublings += 1
+        if doublings > _MAX_DOUBLINGS or not math.isfinite(x):
+            raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
+
+
+def _coordinate_update(
+    lam: torch.Tensor,
+    k: int,
+    fs: torch.Tensor,
+    weights: torch.Tensor,
+    epsilon: float,
+    max_iter: int,
+    raise_only: bool,
+) -> int:
+    """Maximise the dual over ``λ_k`` in place (``raise_only``: only if ``b_k > epsilon``).
+
+    Returns the number of damage evaluations.
+    """
+    den = _denominator(lam, fs)
+    lam_k = float(lam[k])
+    if raise_only:
+        b_k = float((weights[k] / (den * den)).sum())
+        if b_k <= epsilon:
+            return 1
+        other = den - 2.0 * lam_k * fs[k]
+        new, evals = _coordinate_root(weights[k], fs[k], other, epsilon, lam_k, max_iter)
+        lam[k] = max(new, lam_k)
+        # ``other + 2x·f_k`` and ``1 + 2 λ·F̃`` may round differently: nudge until ``b_k`` as
+        # the caller computes it is within the budget too.
+        step = max(float(lam[k]), 1e-300) * 2.0**-52
+        for _ in range(_MAX_DOUBLINGS):
+            den = _denominator(lam, fs)
+            evals += 1
+            if float((weights[k] / (den * den)).sum()) <= epsilon:
+                return evals + 1
+            lam[k] += step
+            step *= 2.0
+        raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
+    other = den - 2.0 * lam_k * fs[k]
+    b_at_zero = float((weights[k] / (other * other)).sum())
+    if b_at_zero <= epsilon:
+        lam[k] = 0.0
+        return 1
+    new, evals = _coordinate_root(weights[k], fs[k], other, epsilon, lam_k, max_iter)
+    lam[k] = new
+    return evals + 1
+
+
+def _box_qp(q: torch.Tensor, c: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+    """Minimise ``½ xᵀ q x + cᵀ x`` over ``x ≥ 0`` (``q`` PSD, small) by an active-set method.
+
+    ``q`` is first regularised by ``_QP_RIDGE·max(diag q)·I``: retain Fishers that are (nearly)
+    proportional make ``q`` singular up to rounding, and the ridge turns a direction in which
+    the model is flat into a long step that runs into the bound (instead of an arbitrary point
+    decided by rounding).  Then a Lawson–Hanson style primal active set, started from the
+    feasible ``x0``: solve the equality-constrained problem on the free set, step back to the
+    boundary if that leaves the orthant, free the variable with the most negative gradient when
+    optimal on the face; capped at ``10·m + 10`` iterations.  Returns the last iterate (``≥ 0``).
+    """
+    m = q.shape[0]
+    top = float(q.diagonal().max())
+    x = x0.clone()
+    if not top > 0.0:
+        return x
+    q = q + _QP_RIDGE * top * torch.eye(m, dtype=q.dtype, device=q.device)
+    free = x > 0
+    for _ in range(10 * m + 10):
+        idx = torch.nonzero(free).squeeze(1)
+        z = torch.zeros_like(x)
+        if idx.numel():
+            try:
+                z[idx] = torch.linalg.solve(q[idx][:, idx], -c[idx])
+            except RuntimeError:
+                return x
+        if not bool(torch.isfinite(z).all()):
+            return x
+        neg = free & (z < 0)
+        if bool(neg.any()):
+            ratios = x[neg] / (x[neg] - z[neg])
+            alpha = float(ratios.min().clamp(0.0, 1.0))
+            x = (x + alpha * (z - x)).clamp(min=0.0)
+            free = free & (x > 0)
+            continue
+        x = z
+        grad = q @ x + c
+        cand = (~free) & (grad < 0)
+        if not bool(cand.any()):
+            return x
+        k = int(torch.argmin(torch.where(cand, grad, torch.zeros_like(grad))))
+        free[k] = True
+    return x
+
+
+def _newton_acceleration(
+    lam: torch.Tensor,
+    base_sq: torch.Tensor,
+    fs: torch.Tensor,
+    weights: torch.Tensor,
+    epsilon: float,
+) -> int:
+    """Try one Newton (SQP) step on the dual, in place.
+
+    The dual gradient is ``r = b − epsilon`` and its Hessian ``H_kl = ∂b_k/∂λ_l =
+    −4 Σ_j F̃_k F̃_l Δ_base² / den³`` (m × m, negative semi-definite).  The concave quadratic
+    model ``r·d + ½ dᵀHd`` is maximised exactly over ``λ + d ≥ 0`` (:func:`_box_qp`, so the
+    model also chooses which multipliers are zero), then ``λ + t·d`` is tried for
+    ``t = 1, ½, …`` (at most ``_MAX_BACKTRACKS`` halvings).  A trial point is kept if it raises
+    the dual beyond rounding or — once the dual is flat to rounding — keeps it and reduces the
+    KKT residual.  Returns the number of trial points evaluated.
+    """
+    den = _denominator(lam, fs)
+    b = _damages(weights, den)
+    res0 = _kkt_residual(lam, b, epsilon)
+    if res0 == 0.0:
+        return 0
+    g0 = _dual(base_sq, den, lam, epsilon)
+    hess = (-4.0 * ((weights / (den * den * den)) @ fs.T)).cpu()
+    r = (b - epsilon).cpu()
+    lam_c = lam.cpu()
+    target = _box_qp(-hess, hess @ lam_c - r, lam_c)
+    step = (target - lam_c).to(lam.device)
+    if not bool(torch.isfinite(step).all()) or float(step.abs().max()) == 0.0:
+        return 0
+    slack = _DUAL_SLACK * 0.5 * float(base_sq.sum())
+    t = 1.0
+    for trial in range(1, _MAX_BACKTRACKS + 1):
+        cand = (lam + t * step).clamp(min=0.0)
+        den_c = _denominator(cand, fs)
+        g_c = _dual(base_sq, den_c, cand, epsilon)
+        if g_c > g0 + slack or (
+            g_c >= g0 - slack and _kkt_residual(cand, _damages(weights, den_c), epsilon) < res0
+        ):
+            lam.copy_(cand)
+            return trial
+        t *= 0.5
+    return _MAX_BACKTRACKS
+
+
+def _exact(
+    base_sq: torch.Tensor,
+    fs: torch.Tensor,
+    weights: torch.Tensor,
+    epsilon: float,
+    max_iter: int,
+) -> tuple[torch.Tensor, int, int, bool, bool]:
+    """Dual maximisation.  Returns ``(λ, sweeps, iterations, stopped, feasibility_pass)``."""
+    m = fs.shape[0]
+    lam = torch.zeros(m, dtype=torch.float64, device=fs.device)
+    iterations = 0
+    sweeps = 0
+    stopped = False
+    while sweeps < max_iter:
+        sweeps += 1
+        prev = lam.clone()
+        for k in range(m):
+            iterations += _coordinate_update(lam, k, fs, weights, epsilon, max_iter, False)
+        if m == 1:  # one exact coordinate maximisation solves the whole problem
+            stopped = True
+            break
+        change = float((lam - prev).abs().max())
+        if change <= _LAMBDA_RTOL * float(lam.max()):
+            stopped = True
+            break
+        iterations += _newton_acceleration(lam, base_sq, fs, weights, epsilon)
+
+    # Feasibility pass: raise (only) the multipliers of constraints that are still violated.
+    feasibility_pass = False
+    for _ in range(max_iter):
+        den = _denominator(lam, fs)
+        violated = [k for k in range(m) if float((weights[k] / (den * den)).sum()) > epsilon]
+        if not violated:
+            break
+        feasibility_pass = True
+        for k in violated:
+            iterations += _coordinate_update(lam, k, fs, weights, epsilon, max_iter, True)
+    return lam, sweeps, iterations, stopped, feasibility_pass
+
+
+# ------------------------------------------------------------------------------- front end
 def project_retention(
     delta_base: torch.Tensor,
     retain_fishers: Sequence[torch.Tensor],
     epsilon: float,
     *,
-    solver: str = "increase-only",
+    solver: str = DEFAULT_SOLVER,
     max_iter: int = 500,
     tol: float | None = None,
     out_dtype: torch.dtype | None = None,
@@ -129,17 +463,33 @@ def project_retention(
         retain_fishers: the m retain clients' normalised, sparsified Fisher ``F̃_k`` (same shape,
             non-negative).  With m = 0 nothing is projected.
         epsilon: retention budget ``epsilon`` per client per tensor (> 0; ``inf`` disables).
-        solver: ``"increase-only"`` (the paper's routine; exact for m = 1).
-        max_iter: cap on bisection steps per multiplier update and on constraint sweeps.
-        tol: tolerance ``τ`` on the active constraint, default ``max(1e-4·epsilon, 1e-12)``;
-            the solver stops once ``epsilon − τ ≤ b_k ≤ epsilon``.
+        solver: ``"exact"`` (default; maximises the dual, multipliers may decrease, returns the
+            closest feasible point) or ``"increase-only"`` (the paper's routine: certifies
+            feasibility but not optimality for m > 1).  For m = 1 both run the same code.
+        max_iter: cap on constraint sweeps and on the inner iterations of each multiplier
+            update (bisection steps, resp. Newton steps).
+        tol: tolerance ``τ``, default ``max(1e-4·epsilon, 1e-12)``.  ``"increase-only"`` stops
+            raising a multiplier once ``epsilon − τ ≤ b_k ≤ epsilon``; ``"exact"`` solves every
+            coordinate to rounding accuracy and reports ``converged`` only if its sweeps stopped
+            moving and the KKT residual is at most ``τ`` (``b_k ≤ epsilon + τ`` for all k and
+            ``|b_k − epsilon| ≤ τ`` where ``λ_k > 0``); for ``"increase-only"`` (m > 1)
+            ``converged`` only means that the routine ended with every constraint satisfied
+            before ``max_iter`` sweeps (see the certificate for its optimality).
         out_dtype: dtype of the returned tensor (default ``delta_base.dtype``); the cast rounds
             toward zero and ``damage_after`` / ``max_violation`` are computed after it.
 
     Returns:
-        ``(Δ*, report)`` with report keys ``multipliers`` (λ_k), ``damage_before``
-        (b_k(Δ_base)), ``damage_after`` (b_k(Δ*)), ``iterations``, ``max_violation``
-        (max_k (b_k(Δ*) − epsilon)₊) and ``active`` (some λ_k > 0).
+        ``(Δ*, report)`` with report keys
+
+        * ``multipliers`` (λ_k), ``damage_before`` (b_k(Δ_base)), ``damage_after`` (b_k(Δ*)
+          after the cast), ``max_violation`` (max_k (b_k(Δ*) − epsilon)₊ after the cast),
+          ``active`` (some λ_k > 0);
+        * ``iterations`` (inner damage evaluations), ``sweeps`` (constraint sweeps),
+          ``converged`` (bool), ``feasibility_pass`` (the exact solver had to raise violated
+          multipliers after its sweeps);
+        * the KKT certificate of the float64 point before the cast: ``max_primal_violation``
+          (max_k (b_k − epsilon)₊), ``max_complementary_slackness`` (max_k |λ_k (b_k −
+          epsilon)|) and ``duality_gap`` (½‖Δ* − Δ_base‖² − g(λ)).
     """
     check_solver(solver)
     epsilon = float(epsilon)
@@ -160,9 +510,19 @@ def project_retention(
         if not bool(torch.isfinite(f).all()) or bool((f < 0).any()):
             raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
     m = len(fishers)
+    tau = max(1e-4 * epsilon, 1e-12) if tol is None else float(tol)
     damage_before = [fisher_damage(delta_base, f) for f in fishers]
     lam = [0.0] * m
     iterations = 0
+    sweeps = 0
+    converged = True
+    feasibility_pass = False
+    # Certificate at Δ* = Δ_base, λ = 0: the primal objective and the dual are both 0.
+    primal_violation = 0.0
+    if math.isfinite(epsilon):
+        primal_violation = max([max(b - epsilon, 0.0) for b in damage_before], default=0.0)
+    slackness = 0.0
+    gap = 0.0
 
     if m == 0 or math.isinf(epsilon) or all(b <= epsilon for b in damage_before):
         # Nothing to shrink.  With a finite budget, still round toward zero so that a point that
@@ -172,7 +532,6 @@ def project_retention(
         else:
             result = delta_base.to(out_dtype)
     else:
-        tau = max(1e-4 * epsilon, 1e-12) if tol is None else float(tol)
         flat = delta_base.reshape(-1)
         fsum = torch.zeros_like(flat, dtype=torch.float32)
         for f in fishers:
@@ -180,45 +539,33 @@ def project_retention(
         idx = torch.nonzero((fsum > 0) & (flat != 0)).squeeze(1)
         del fsum
         base_s = flat[idx].to(torch.float64)
-        fs = torch.stack([f.reshape(-1)[idx].to(torch.float64) for f in fishers])  # (m, n_s)
-        weights = fs * (base_s * base_s)  # F̃_k(j)·Δ_base(j)²
-        fmax = [float(fs[k].max()) if fs.shape[1] else 0.0 for k in range(m)]
-        lam_t = torch.zeros(m, dtype=torch.float64, device=flat.device)
+        fs = torch.stack(
+            [f.reshape(-1).to(flat.device)[idx].to(torch.float64) for f in fishers]
+        )  # (m, n_s)
+        base_sq = base_s * base_s
+        weights = fs * base_sq  # F̃_k(j)·Δ_base(j)²
 
-        def denom() -> torch.Tensor:
-            return 1.0 + 2.0 * (lam_t @ fs)
-
-        sweeps = 0
-        while sweeps < max_iter:
-            sweeps += 1
-            changed = False
-            for k in range(m):
-                den = denom()
-                b_k = float((weights[k] / (den * den)).sum())
-                if b_k <= epsilon:
-                    continue
-                other = den - 2.0 * lam_t[k] * fs[k]
-                wk, fk = weights[k], fs[k]
-
-                def damage(
-                    x: float,
-                    wk: torch.Tensor = wk,
-                    fk: torch.Tensor = fk,
-                    other: torch.Tensor = other,
-                ) -> float:
-                    dd = other + 2.0 * x * fk
-                    return float((wk / (dd * dd)).sum())
-
-                new_lam, it = _solve_one(
-                    damage, float(lam_t[k]), b_k, fmax[k], epsilon, tau, max_iter
-                )
-                lam_t[k] = new_lam
-                iterations += it
-                changed = True
-            if not changed:
-                break
+        if solver == "exact" or m == 1:
+            lam_t, sweeps, iterations, stopped, feasibility_pass = _exact(
+                base_sq, fs, weights, epsilon * (1.0 - _SAFETY), max_iter
+            )
+        else:
+            lam_t, sweeps, iterations, stopped = _increase_only(fs, weights, epsilon, tau, max_iter)
         lam = [float(x) for x in lam_t]
-        proj_s = base_s / denom()
+        den = _denominator(lam_t, fs)
+        proj_s = base_s / den
+
+        # KKT certificate of the float64 point (before the cast).
+        b = (fs * (proj_s * proj_s)).sum(dim=1)
+        viol = b - epsilon
+        primal_violation = float(viol.clamp(min=0.0).max())
+        slackness = float((lam_t * viol).abs().max())
+        primal = 0.5 * float(((proj_s - base_s) ** 2).sum())
+        gap = primal - _dual(base_sq, den, lam_t, epsilon)
+        converged = bool(stopped)
+        if solver == "exact" or m == 1:
+            converged = converged and _kkt_residual(lam_t, b, epsilon) <= tau
+
         out = flat.to(torch.float64).clone()
         out[idx] = proj_s
         result = cast_toward_zero(out, out_dtype).reshape(delta_base.shape)
@@ -232,7 +579,13 @@ def project_retention(
         "damage_before": damage_before,
         "damage_after": damage_after,
         "iterations": int(iterations),
+        "sweeps": int(sweeps),
+        "converged": bool(converged),
+        "feasibility_pass": bool(feasibility_pass),
         "max_violation": float(max_violation),
         "active": any(x > 0 for x in lam),
+        "max_primal_violation": float(primal_violation),
+        "max_complementary_slackness": float(slackness),
+        "duality_gap": float(gap),
     }
     return result, report

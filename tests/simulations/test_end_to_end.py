@@ -84,6 +84,25 @@ def checkpoint(tmp_path, tiny_model, tiny_tokenizer):
     return tmp_path / "ckpt"
 
 
+@pytest.mark.parametrize("strategy", ["avg", "sum", "ties", "fulm", "fulm-mean"])
+def test_every_builtin_merge_through_flower(tmp_path, checkpoint, strategy):
+    """strategy= selects each baseline merge in a real simulation (FIRM: the tests above)."""
+    path = run_local.run(
+        run_config=f"model-path='{checkpoint}' strategy='{strategy}' {SMALL_RUN}",
+        output_dir=tmp_path / "out",
+        flwr_home=tmp_path / "flwr_home",
+    )
+    results = json.loads(path.read_text())
+    assert results["merge"]["method"] == strategy
+    assert results["merge"]["norm_final"] > 0
+    assert len(results["merge"]["tensors"]) == 2 * 7
+    if strategy.startswith("fulm"):
+        clusters = results["merge"]["clusters"]
+        assert sorted(m for c in clusters for m in c) == sorted(
+            str(c["node_id"]) for c in results["clients"]
+        )
+
+
 def test_local_checkpoint_through_flower(tmp_path, checkpoint):
     """model-path: any local Hugging Face causal LM runs through the same Flower pipeline."""
     path = run_local.run(

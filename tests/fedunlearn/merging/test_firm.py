@@ -237,7 +237,17 @@ def test_infinite_epsilon_skips_projection() -> None:
     res = firm_merge(ups, alpha=0.4)
     rep = res.report["tensors"]["w"]
     assert res.report["params"]["epsilon"] is None
-    assert rep["projection"] == {"iterations": 0, "max_violation": 0.0, "active": False}
+    assert rep["projection"] == {
+        "iterations": 0,
+        "sweeps": 0,
+        "converged": True,
+        "feasibility_pass": False,
+        "max_violation": 0.0,
+        "active": False,
+        "max_primal_violation": 0.0,
+        "max_complementary_slackness": 0.0,
+        "duality_gap": 0.0,
+    }
     assert rep["norm_base"] == rep["norm_final"]
     assert set(rep["damage_before"]) == {"2", "3"}
 
