@@ -119,6 +119,11 @@ def stop_process(process: subprocess.Popen, grace: float = 15.0) -> None:
         process.wait(timeout=grace)
 
 
+def default_cache_dir() -> Path:
+    """The runner's substrate cache: ``$FEDUNLEARN_CACHE_DIR`` or ``.cache/`` in the repo."""
+    return Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache")).resolve()
+
+
 def prepare_substrate(overrides: dict, cache_dir: Path) -> None:
     """Build the built-in model substrate here, with progress bars, before Flower starts.
 
@@ -160,7 +165,9 @@ def run(
     strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(strategy))
     output_dir = (output_dir or REPO_ROOT / "outputs" / f"{scenario}-{strategy}-{stamp}").resolve()
     flwr_home = (flwr_home or REPO_ROOT / ".flwr_home").resolve()
-    cache_dir = cache_dir or Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache"))
+    if user.get("cache-dir"):
+        cache_dir = Path(str(user["cache-dir"]))
+    cache_dir = cache_dir or default_cache_dir()
     flwr_home.mkdir(parents=True, exist_ok=True)
     env = flower_env(flwr_home)
     env["FEDUNLEARN_CACHE_DIR"] = str(cache_dir.resolve())

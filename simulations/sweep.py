@@ -70,6 +70,7 @@ def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
 def settings_for(run_config: str) -> RunSettings:
     defaults = tomllib.loads((run_local.REPO_ROOT / "pyproject.toml").read_text())
     config = {**defaults["tool"]["flwr"]["app"]["config"]}
+    config["cache-dir"] = str(run_local.default_cache_dir())  # where run_local builds it
     config.update(run_local.parse_config_pairs(run_config) if run_config else {})
     return RunSettings.from_run_config(config)
 
@@ -112,10 +113,17 @@ class FlowerUploads:
         )
 
 
-def run_and_load_uploads(run_config: str, output_dir: Path) -> FlowerUploads:
-    """Run the clients in a real Flower simulation (uploads saved), then load everything."""
+def run_and_load_uploads(
+    run_config: str, output_dir: Path, *, reuse: bool = False
+) -> FlowerUploads:
+    """Run the clients in a real Flower simulation (uploads saved), then load everything.
+
+    With ``reuse`` an earlier run in ``output_dir`` (same run config) is loaded instead.
+    """
     config = f"{run_config} save-uploads=true".strip()
-    results_path = run_local.run(config, output_dir=output_dir)
+    results_path = output_dir / "results.json"
+    if not (reuse and results_path.is_file() and (output_dir / "uploads").is_dir()):
+        results_path = run_local.run(config, output_dir=output_dir)
     results = json.loads(results_path.read_text())
     settings = settings_for(config)
     run_model = load_run_model(settings, show_progress=False)
@@ -136,10 +144,12 @@ def sweep(
     grids: dict[str, list[float]],
     run_config: str,
     output_dir: Path,
+    *,
+    reuse_run: bool = False,
 ) -> dict[str, Any]:
     """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    flower = run_and_load_uploads(run_config, output_dir / "flower-run")
+    flower = run_and_load_uploads(run_config, output_dir / "flower-run", reuse=reuse_run)
     settings, updates = flower.settings, flower.updates
     run_results, reference = flower.results, flower.results["metrics"].get("reference")
     points = []
@@ -185,12 +195,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gammas", default="", help='e.g. "firm=2,4,8 fulm=0.5,1"')
     parser.add_argument("--run-config", default="", help="run-config overrides for the scenario")
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument(
+        "--reuse-run",
+        action="store_true",
+        help="re-merge the uploads of an earlier run in --output-dir",
+    )
     args = parser.parse_args(argv)
     strategies = [s for s in args.strategies.split(",") if s]
     grids = parse_gammas(args.gammas, strategies)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"sweep-{stamp}").resolve()
-    summary = sweep(strategies, grids, args.run_config, output_dir)
+    summary = sweep(strategies, grids, args.run_config, output_dir, reuse_run=args.reuse_run)
     print(summary_markdown(summary))
     print(f"\nsweep written to {output_dir}")
     return 0

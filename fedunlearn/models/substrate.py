@@ -38,12 +38,16 @@ from fedunlearn.qa_format import encode_qa
 from fedunlearn.training.batching import Example
 from fedunlearn.training.full import train_full
 
-SUBSTRATE_FORMAT_VERSION = 1
+SUBSTRATE_FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
 class SubstrateConfig:
-    """Everything that determines the built-in substrate; its hash names the cache folder."""
+    """Everything that determines the built-in substrate; its hash names the cache folder.
+
+    ``forget_percent`` only selects the retain-only reference model, which is cached per
+    forget split inside the substrate folder; it is not part of the hash.
+    """
 
     seed: int = 0
     num_authors: int = 200
@@ -65,9 +69,9 @@ class SubstrateConfig:
 
     def cache_key(self) -> str:
         """Stable short hash of the config (and of the substrate format version)."""
-        payload = json.dumps(
-            {"version": SUBSTRATE_FORMAT_VERSION, **dataclasses.asdict(self)}, sort_keys=True
-        )
+        fields = dataclasses.asdict(self)
+        fields.pop("forget_percent")  # only the reference depends on it: built per split
+        payload = json.dumps({"version": SUBSTRATE_FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -133,8 +137,24 @@ def _finetune_on_authors(
     return model, losses
 
 
+def _atomic_build(folder: Path, build) -> None:
+    """Run ``build(tmp)`` into a temporary sibling folder, then rename it into place, so an
+    interrupted build never leaves a half-written cache entry behind."""
+    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    try:
+        build(tmp)
+        if folder.exists():  # a damaged entry (its info file missing)
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool = True) -> dict:
-    """Build every stage into ``folder`` (which must not exist yet); returns the build info."""
+    """Tokenizer, pre-trained and knowledgeable model into ``folder`` (must not exist yet)."""
     t0 = time.perf_counter()
     data = generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author)
     corpus = generate_background_corpus(cfg.seed, cfg.background_documents)
@@ -169,43 +189,56 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
     knowledgeable, ft_losses = _finetune_on_authors(
         pretrained, tokenizer, data.author_qa, knowledge, cfg, "author fine-tune", show_progress
     )
-    t_ref = time.perf_counter()
-    reference, ref_losses = _finetune_on_authors(
-        pretrained,
-        tokenizer,
-        data.retain_split(cfg.forget_percent),
-        knowledge,
-        cfg,
-        "retain-only reference",
-        show_progress,
-    )
     t_end = time.perf_counter()
     info = {
-        "config": dataclasses.asdict(cfg),
+        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "forget_percent"},
         "cache_key": cfg.cache_key(),
         "num_parameters": sum(p.numel() for p in knowledgeable.parameters()),
         "seconds": {
             "tokenizer_and_data": t_pre - t0,
             "pretraining": t_ft - t_pre,
-            "author_finetune": t_ref - t_ft,
-            "reference_finetune": t_end - t_ref,
+            "author_finetune": t_end - t_ft,
         },
-        "losses": {
-            "pretraining": pre_losses,
-            "author_finetune": ft_losses,
-            "reference_finetune": ref_losses,
-        },
+        "losses": {"pretraining": pre_losses, "author_finetune": ft_losses},
         "author_recall_exact_match": author_recall(knowledgeable, tokenizer, data.author_qa),
-        "forget_recall_reference_exact_match": author_recall(
-            reference, tokenizer, data.forget_split(cfg.forget_percent)
-        ),
     }
     folder.mkdir(parents=True)
     tokenizer.save_pretrained(folder / "tokenizer")
     pretrained.save_pretrained(folder / "pretrained")
     knowledgeable.save_pretrained(folder / "knowledgeable")
-    reference.save_pretrained(folder / "reference")
     (folder / "build_info.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def build_reference(
+    cfg: SubstrateConfig, substrate: Path, folder: Path, *, show_progress: bool = True
+) -> dict:
+    """The retain-only reference for ``cfg.forget_percent``: the knowledgeable model's recipe
+    (same pre-trained start, epochs, seed) on every author except the forget authors."""
+    started = time.perf_counter()
+    data = generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(substrate / "tokenizer")
+    pretrained = LlamaForCausalLM.from_pretrained(substrate / "pretrained", dtype=torch.float32)
+    reference, losses = _finetune_on_authors(
+        pretrained,
+        tokenizer,
+        data.retain_split(cfg.forget_percent),
+        data.real_authors + data.world_facts,
+        cfg,
+        f"retain-only reference (forget {cfg.forget_percent:g} %)",
+        show_progress,
+    )
+    info = {
+        "forget_percent": cfg.forget_percent,
+        "seconds": time.perf_counter() - started,
+        "losses": losses,
+        "forget_recall_reference_exact_match": author_recall(
+            reference, tokenizer, data.forget_split(cfg.forget_percent)
+        ),
+    }
+    folder.mkdir(parents=True)
+    reference.save_pretrained(folder)
+    (folder / "reference_info.json").write_text(json.dumps(info, indent=2))
     return info
 
 
@@ -219,28 +252,24 @@ def substrate_folder(cfg: SubstrateConfig, cache_dir: Path | None = None) -> Pat
     return (cache_dir or default_cache_dir()) / f"tofu-substrate-{cfg.cache_key()}"
 
 
+def reference_folder(cfg: SubstrateConfig, cache_dir: Path | None = None) -> Path:
+    return substrate_folder(cfg, cache_dir) / f"reference-forget{cfg.forget_percent:g}"
+
+
 def ensure_substrate(
     cfg: SubstrateConfig, cache_dir: Path | None = None, *, show_progress: bool = True
 ) -> Path:
-    """Return the cached substrate folder for ``cfg``, building it first when missing.
-
-    The build goes to a temporary sibling folder that is renamed into place at the end, so
-    an interrupted build never leaves a half-written cache entry behind.
-    """
+    """The cached substrate folder for ``cfg``, with the knowledgeable model and the
+    reference for ``cfg.forget_percent``; each part is built first when missing."""
     folder = substrate_folder(cfg, cache_dir)
-    if (folder / "build_info.json").is_file():
-        return folder
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        build_substrate(cfg, tmp, show_progress=show_progress)
-        if folder.exists():  # a half-written entry from an older layout
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    if not (folder / "build_info.json").is_file():
+        _atomic_build(folder, lambda tmp: build_substrate(cfg, tmp, show_progress=show_progress))
+    reference = reference_folder(cfg, cache_dir)
+    if not (reference / "reference_info.json").is_file():
+        _atomic_build(
+            reference,
+            lambda tmp: build_reference(cfg, folder, tmp, show_progress=show_progress),
+        )
     return folder
 
 
@@ -249,11 +278,20 @@ def load_substrate(
 ) -> Substrate:
     """Build (if needed) and load the substrate: data, tokenizer, knowledgeable and reference."""
     folder = ensure_substrate(cfg, cache_dir, show_progress=show_progress)
+    reference_dir = reference_folder(cfg, cache_dir)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
     model = LlamaForCausalLM.from_pretrained(folder / "knowledgeable", dtype=torch.float32)
-    reference = LlamaForCausalLM.from_pretrained(folder / "reference", dtype=torch.float32)
+    reference = LlamaForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
     model.eval()
     reference.eval()
+    info = json.loads((folder / "build_info.json").read_text())
+    reference_info = json.loads((reference_dir / "reference_info.json").read_text())
+    info["seconds"]["reference_finetune"] = reference_info["seconds"]
+    info["losses"]["reference_finetune"] = reference_info["losses"]
+    info["forget_percent"] = cfg.forget_percent
+    info["forget_recall_reference_exact_match"] = reference_info[
+        "forget_recall_reference_exact_match"
+    ]
     return Substrate(
         config=cfg,
         data=generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author),
@@ -261,5 +299,5 @@ def load_substrate(
         model=model,
         reference_model=reference,
         folder=folder,
-        info=json.loads((folder / "build_info.json").read_text()),
+        info=info,
     )

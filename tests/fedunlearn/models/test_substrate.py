@@ -29,26 +29,26 @@ def test_cache_key_follows_the_config():
     assert SMALL.cache_key() == dataclasses.replace(SMALL).cache_key()
     assert SMALL.cache_key() != dataclasses.replace(SMALL, seed=1).cache_key()
     assert SMALL.cache_key() != dataclasses.replace(SMALL, finetune_epochs=2).cache_key()
+    # the forget split only selects the reference model, cached per split in the same folder
+    assert SMALL.cache_key() == dataclasses.replace(SMALL, forget_percent=5.0).cache_key()
 
 
 def test_built_once_reused_and_rebuilt_when_missing(tmp_path):
     folder = ensure_substrate(SMALL, tmp_path, show_progress=False)
     assert folder.name == f"tofu-substrate-{SMALL.cache_key()}"
-    for part in ("tokenizer", "pretrained", "knowledgeable", "reference"):
+    for part in ("tokenizer", "pretrained", "knowledgeable", "reference-forget10"):
         assert (folder / part).is_dir(), part
     info = json.loads((folder / "build_info.json").read_text())
-    assert info["config"] == dataclasses.asdict(SMALL)
+    expected = dataclasses.asdict(SMALL)
+    expected.pop("forget_percent")
+    assert info["config"] == expected
     assert 0.0 <= info["author_recall_exact_match"] <= 1.0
-    assert set(info["seconds"]) == {
-        "tokenizer_and_data",
-        "pretraining",
-        "author_finetune",
-        "reference_finetune",
-    }
+    assert set(info["seconds"]) == {"tokenizer_and_data", "pretraining", "author_finetune"}
     stamp = (folder / "build_info.json").stat().st_mtime_ns
     assert ensure_substrate(SMALL, tmp_path, show_progress=False) == folder
     assert (folder / "build_info.json").stat().st_mtime_ns == stamp  # reused, not rebuilt
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]  # no temp folders left
+    assert sorted(p.name for p in folder.iterdir() if ".tmp-" in p.name) == []
 
     first = load_substrate(SMALL, tmp_path, show_progress=False)
     (folder / "build_info.json").unlink()  # a damaged entry is rebuilt ...
@@ -59,3 +59,14 @@ def test_built_once_reused_and_rebuilt_when_missing(tmp_path):
         assert torch.equal(first.reference_model(x).logits, second.reference_model(x).logits)
     assert not torch.equal(first.model.lm_head.weight, first.reference_model.lm_head.weight)
     assert len(first.data.author_qa) == 80
+    assert set(first.info["seconds"]) >= {"pretraining", "reference_finetune"}
+
+    # another forget split adds only its reference; the knowledgeable model is reused
+    stamp = (folder / "build_info.json").stat().st_mtime_ns
+    other = dataclasses.replace(SMALL, forget_percent=20.0)
+    third = load_substrate(other, tmp_path, show_progress=False)
+    assert (folder / "reference-forget20").is_dir()
+    assert (folder / "build_info.json").stat().st_mtime_ns == stamp
+    with torch.no_grad():
+        assert torch.equal(third.model(x).logits, second.model(x).logits)
+        assert not torch.equal(third.reference_model(x).logits, second.reference_model(x).logits)

@@ -1,0 +1,808 @@
+"""Benchmark the server-side merges (SPEC §2) on synthetic task vectors and Fisher diagonals.
+
+    python -m simulations.bench_merge                 # a quarter of the paper's WMDP scale
+    python -m simulations.bench_merge --paper-scale   # 3 tensors of 14336×4096 (run once only)
+
+Inputs (seeded by ``--seed``): ``--forget-clients`` forget clients spread over ``--domains``
+forget domains plus ``--retain-clients`` retain clients, each sending a task vector and a raw
+Fisher diagonal for ``--tensors`` tensors of shape ``--rows × --cols`` in ``--dtype``.  Task
+vectors are low rank plus noise (``s·(B_g@A_g + ½·B_i@A_i)/√r + noise``, ``r = 16``; forget
+clients of one domain share ``B_g@A_g``, so FULM's clusters are the domains plus the retain
+clients); Fisher diagonals are ``1e-6·exp(2·z)`` with ``z`` standard normal, correlated across
+clients (``--fisher-correlation``), spanning about five orders of magnitude.  A second input
+adds retain clients up to ``--multi-retain`` (default 3) for the multi-constraint projection.
+
+Cases, each timed with ``time.perf_counter`` (best of ``--repeats``):
+
+* ``read-pass``: one plain read of every input tensor (converted to float32 and summed), the
+  yardstick all ratios refer to;
+* every registered merge with its defaults (``firm`` as ``firm-base``, i.e. ``epsilon = inf``);
+* ``projection-m1``: :func:`project_retention` alone, per tensor, on the FIRM-base result, with
+  ``epsilon = --epsilon-factor × mean no-projection damage`` (so that the budget is active);
+* ``projection-m3-exact`` (and ``projection-m3-increase-only``, the paper's routine, for
+  context): the same on the input with ``--multi-retain`` retain clients;
+* ``firm-projected-m1``: FIRM with the projection, end to end.
+
+Peak memory: before each run the process's RSS high-water mark is reset (``5`` written to
+``/proc/self/clear_refs``) and ``VmHWM − VmRSS`` (from ``/proc/self/status``) after the run is
+reported as the case's extra peak RSS (after ``gc.collect()`` and glibc's ``malloc_trim(0)``,
+so that memory freed by earlier cases is not silently reused): the memory the case needed on
+top of the inputs (which stay resident), including its output.
+
+Prints a table and the targets, and writes the same as JSON (``--output``, default
+``outputs/bench/bench_merge-<time>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import gc
+import inspect
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from fedunlearn.merging import (
+    MERGES,
+    ClientUpdate,
+    MergeResult,
+    firm_merge,
+    fisher_damage,
+    get_merge,
+    normalize_and_sparsify,
+    project_retention,
+)
+from fedunlearn.merging import projection as projection_module
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+#: Shape of one adapted weight at the paper's WMDP scale (MLP up/gate projection of an 8B model).
+PAPER_ROWS, PAPER_COLS = 14336, 4096
+#: Default: a quarter of the paper's scale.
+DEFAULT_ROWS, DEFAULT_COLS = 14336, 1024
+#: The paper's server-side merge times (seconds), for context only.
+PAPER_REFERENCE = {
+    "firm_seconds": 217.0,
+    "fulm_seconds": 547.0,
+    "setting": "server merge at the paper's WMDP scale on a GPU server (FIRM paper)",
+}
+TARGET_FIRM_BASE_VS_READ = 10.0
+TARGET_PROJECTION_VS_FIRM_BASE = 1.0
+
+#: Merges in the order they are reported (any other registered merge follows).
+MERGE_ORDER = ("avg", "sum", "ties", "fulm", "fulm-mean", "firm")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+RANK = 16
+TV_SCALE = 1e-3
+TV_NOISE = 0.1
+FISHER_SCALE = 1e-6
+FISHER_SPREAD = 2.0
+
+MEMORY_METHOD = (
+    "extra peak RSS = VmHWM - VmRSS from /proc/self/status, with the high-water mark reset "
+    "(5 written to /proc/self/clear_refs) right before each run, after gc and malloc_trim; "
+    "inputs stay resident and are not counted, the case's output is"
+)
+
+_FIRM_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(firm_merge).parameters.items()
+    if p.default is not inspect.Parameter.empty
+}
+ALPHA = float(_FIRM_DEFAULTS["alpha"])
+EPS0 = float(_FIRM_DEFAULTS["eps0"])
+#: Relative tolerance on the retention budget when checking feasibility (SPEC §2.4's τ).
+BUDGET_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    forget_clients: int = 6
+    domains: int = 2
+    retain_clients: int = 1
+    multi_retain: int = 3
+    tensors: int = 3
+    rows: int = DEFAULT_ROWS
+    cols: int = DEFAULT_COLS
+    dtype: str = "bf16"
+    seed: int = 0
+    repeats: int = 3
+    threads: int = 1
+    epsilon_factor: float = 0.3
+    fisher_correlation: float = 0.7
+    paper_scale: bool = False
+
+
+# ----------------------------------------------------------------------------------- memory
+def _status_bytes(field: str) -> int | None:
+    """``field`` (e.g. ``VmRSS``) of ``/proc/self/status`` in bytes, or ``None`` if unavailable."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _release_free_memory() -> None:
+    """Return memory freed to glibc's allocator to the OS (``malloc_trim``), if available.
+
+    Without it, a case could reuse pages a previous case freed but the allocator kept, and its
+    peak would be under-reported.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the process's RSS high-water mark (Linux ≥ 4.0); ``False`` if not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
+            fh.write("5")
+    except OSError:
+        return False
+    return True
+
+
+@dataclass
+class Measurement:
+    seconds: float
+    all_seconds: list[float]
+    peak_extra_bytes: int | None
+    peak_rss_bytes: int | None
+    output: Any
+
+
+def measure(fn: Callable[[], Any], repeats: int) -> Measurement:
+    """Run ``fn`` ``repeats`` times; best wall time, extra peak RSS and the last output."""
+    times: list[float] = []
+    peak_extra: int | None = None
+    peak_abs: int | None = None
+    out: Any = None
+    for _ in range(repeats):
+        out = None  # free the previous output before the next run
+        gc.collect()
+        _release_free_memory()
+        rss0 = _status_bytes("VmRSS")
+        reset = _reset_peak_rss()
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+        hwm = _status_bytes("VmHWM")
+        if hwm is not None:
+            peak_abs = max(peak_abs or 0, hwm)
+            if reset and rss0 is not None:
+                peak_extra = max(peak_extra or 0, hwm - rss0)
+    return Measurement(min(times), times, peak_extra, peak_abs, out)
+
+
+# ----------------------------------------------------------------------------------- inputs
+def tensor_keys(n: int) -> list[str]:
+    return [f"model.layers.{i}.mlp.up_proj.weight" for i in range(n)]
+
+
+def input_bytes(updates: Sequence[ClientUpdate]) -> int:
+    total = 0
+    for u in updates:
+        for t in (*u.task_vector.values(), *(u.fisher or {}).values()):
+            total += t.numel() * t.element_size()
+    return total
+
+
+def estimated_input_bytes(cfg: BenchConfig) -> int:
+    clients = cfg.forget_clients + max(cfg.retain_clients, cfg.multi_retain)
+    return 2 * clients * cfg.tensors * cfg.rows * cfg.cols * DTYPES[cfg.dtype].itemsize
+
+
+def make_inputs(
+    cfg: BenchConfig, *, progress: bool = False
+) -> tuple[list[ClientUpdate], list[ClientUpdate]]:
+    """``(updates, extra_retain)``: the main input and the retain clients the multi-m input adds.
+
+    Forget client ``i`` belongs to domain ``i mod domains``.  See the module docstring for the
+    distributions.  Deterministic for a given configuration.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    dtype = DTYPES[cfg.dtype]
+    n_retain = max(cfg.retain_clients, cfg.multi_retain)
+    roles = ["forget"] * cfg.forget_clients + ["retain"] * n_retain
+    domains = [f"domain-{i % cfg.domains}" for i in range(cfg.forget_clients)] + [None] * n_retain
+    ids = [f"forget-{i}" for i in range(cfg.forget_clients)] + [
+        f"retain-{i}" for i in range(n_retain)
+    ]
+    tvs: list[dict[str, torch.Tensor]] = [{} for _ in roles]
+    fishers: list[dict[str, torch.Tensor]] = [{} for _ in roles]
+    rows, cols, rank = cfg.rows, cfg.cols, min(RANK, cfg.rows, cfg.cols)
+    rho = cfg.fisher_correlation
+    own = math.sqrt(1.0 - rho * rho)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float32)
+
+    for key in tqdm(tensor_keys(cfg.tensors), desc="inputs", unit="tensor", disable=not progress):
+        shared_log_fisher = randn(rows, cols)
+        domain_factors = [(randn(rows, rank), randn(rank, cols)) for _ in range(cfg.domains)]
+        for i, role in enumerate(roles):
+            b_own, a_own = randn(rows, rank), randn(rank, cols)
+            if role == "forget":
+                b_dom, a_dom = domain_factors[i % cfg.domains]
+                tv = torch.cat([b_dom, 0.5 * b_own], dim=1) @ torch.cat([a_dom, a_own], dim=0)
+            else:
+                tv = b_own @ a_own
+            tv.mul_(TV_SCALE / math.sqrt(rank)).add_(randn(rows, cols), alpha=TV_SCALE * TV_NOISE)
+            fisher = randn(rows, cols).mul_(own).add_(shared_log_fisher, alpha=rho)
+            fisher.mul_(FISHER_SPREAD).exp_().mul_(FISHER_SCALE)
+            tvs[i][key] = tv.to(dtype)
+            fishers[i][key] = fisher.to(dtype)
+            del tv, fisher
+        del shared_log_fisher, domain_factors
+    clients = [
+        ClientUpdate(
+            node_id=ids[i],
+            role=roles[i],
+            domain=domains[i],
+            num_examples=100,
+            task_vector=tvs[i],
+            fisher=fishers[i],
+        )
+        for i in range(len(roles))
+    ]
+    n_main = cfg.forget_clients + cfg.retain_clients
+    return clients[:n_main], clients[n_main:]
+
+
+def read_pass(updates: Sequence[ClientUpdate]) -> float:
+    """The baseline: every task-vector and Fisher tensor converted to float32 and summed once."""
+    total = 0.0
+    for u in updates:
+        for key, tv in u.task_vector.items():
+            total += float(tv.to(torch.float32).sum())
+            total += float(u.fisher[key].to(torch.float32).sum())  # type: ignore[index]
+    return total
+
+
+# ------------------------------------------------------------------------------- projection
+@dataclass
+class ProjectionInput:
+    base: dict[str, torch.Tensor]  # FIRM-base result per tensor, in float32
+    fishers: dict[str, list[torch.Tensor]]  # sparsified F̃_k per tensor
+    damage_before: dict[str, list[float]]
+    epsilon: float
+
+
+def projection_input(
+    base: MergeResult, retain: Sequence[ClientUpdate], keys: Sequence[str], factor: float
+) -> ProjectionInput:
+    """FIRM-base result, the retain clients' ``F̃_k`` and ``epsilon = factor × mean damage``."""
+    base32 = {k: base.delta[k].to(torch.float32) for k in keys}
+    fts = {
+        k: [normalize_and_sparsify(u.fisher[k], ALPHA, EPS0) for u in retain]  # type: ignore[index]
+        for k in keys
+    }
+    damages = {k: [fisher_damage(base32[k], f) for f in fts[k]] for k in keys}
+    flat = [d for k in keys for d in damages[k]]
+    mean = sum(flat) / len(flat)
+    if not mean > 0.0:
+        raise RuntimeError("the FIRM-base result does no retention damage; nothing to project")
+    return ProjectionInput(base32, fts, damages, factor * mean)
+
+
+def projection_details(per_tensor: dict[str, dict], epsilon: float) -> dict[str, Any]:
+    """Summary of per-tensor projection reports (solver fields and KKT certificate if present)."""
+    reports = list(per_tensor.values())
+
+    def worst(field: str) -> float | None:
+        vals = [abs(float(r[field])) for r in reports if r.get(field) is not None]
+        return max(vals) if vals else None
+
+    after = [d for r in reports for d in r["damage_after"]]
+    before = [d for r in reports for d in r["damage_before"]]
+    summary = {
+        "epsilon": epsilon,
+        "active_tensors": sum(bool(r.get("active")) for r in reports),
+        "tensors": len(reports),
+        "iterations_total": sum(int(r.get("iterations", 0)) for r in reports),
+        "sweeps_max": max(int(r.get("sweeps", 0)) for r in reports),
+        "converged_all": all(bool(r.get("converged", True)) for r in reports),
+        "feasibility_pass_any": any(bool(r.get("feasibility_pass")) for r in reports),
+        "damage_before_max": max(before),
+        "damage_after_max": max(after),
+        "max_violation": worst("max_violation"),
+        "max_primal_violation": worst("max_primal_violation"),
+        "max_complementary_slackness": worst("max_complementary_slackness"),
+        "max_abs_duality_gap": worst("duality_gap"),
+    }
+    return {"summary": summary, "per_tensor": per_tensor}
+
+
+def _tensor_projection_report(report: dict) -> dict:
+    return {
+        k: report.get(k)
+        for k in (
+            "active",
+            "multipliers",
+            "damage_before",
+            "damage_after",
+            "iterations",
+            "sweeps",
+            "converged",
+            "feasibility_pass",
+            "max_violation",
+            "max_primal_violation",
+            "max_complementary_slackness",
+            "duality_gap",
+        )
+        if k in report
+    }
+
+
+def firm_projection_reports(result: MergeResult) -> dict[str, dict]:
+    """Per-tensor projection fields of a FIRM report, damages as lists over retain clients."""
+    out = {}
+    for key, t in result.report["tensors"].items():
+        rep = dict(t.get("projection", {}))
+        rep["damage_before"] = list(t["damage_before"].values())
+        rep["damage_after"] = list(t["damage_after"].values())
+        rep["multipliers"] = list(t["multipliers"].values())
+        out[key] = _tensor_projection_report(rep)
+    return out
+
+
+# -------------------------------------------------------------------------------- benchmark
+def merge_names() -> list[str]:
+    ordered = [n for n in MERGE_ORDER if n in MERGES]
+    return ordered + sorted(n for n in MERGES if n not in ordered)
+
+
+def case_name(merge: str) -> str:
+    return "firm-base" if merge == "firm" else merge
+
+
+def _merge_details(result: MergeResult) -> dict[str, Any]:
+    rep = result.report
+    details: dict[str, Any] = {"norm_final": rep.get("norm_final")}
+    for field in ("num_clusters", "clusters"):
+        if field in rep:
+            details[field] = rep[field]
+    return details
+
+
+def run_benchmark(cfg: BenchConfig, *, progress: bool = True) -> dict[str, Any]:
+    """Build the inputs, time every case and return the JSON-able results (see module doc)."""
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    try:
+        return _run(cfg, progress=progress)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
+    dtype = DTYPES[cfg.dtype]
+    t0 = time.perf_counter()
+    updates, extra_retain = make_inputs(cfg, progress=progress)
+    generation_s = time.perf_counter() - t0
+    keys = tensor_keys(cfg.tensors)
+    retain = [u for u in updates if u.role == "retain"]
+    solvers = list(projection_module.SOLVERS)
+    m1, mm = len(retain), cfg.multi_retain
+    notes: list[str] = []
+
+    merges = merge_names()
+    plan = ["read-pass", *(case_name(n) for n in merges), f"projection-m{m1}"]
+    multi_solvers = [s for s in ("exact", "increase-only") if mm and s in solvers]
+    if mm and "exact" not in solvers:
+        notes.append(
+            f"solver 'exact' is not available (available: {solvers}); "
+            f"projection-m{mm}-exact was skipped"
+        )
+    plan += [f"projection-m{mm}-{s}" for s in multi_solvers]
+    if mm and "exact" not in solvers:
+        plan.append(f"projection-m{mm}-exact")  # reported as skipped
+    if "firm" in MERGES:
+        plan.append(f"firm-projected-m{m1}")
+
+    cases: dict[str, dict[str, Any]] = {}
+    bar = tqdm(total=len(plan), desc="bench", unit="case", disable=not progress)
+
+    def record(name: str, fn: Callable[[], Any], details: Callable[[Any], dict]) -> Any:
+        bar.set_postfix_str(name)
+        m = measure(fn, cfg.repeats)
+        cases[name] = {
+            "seconds": m.seconds,
+            "all_seconds": m.all_seconds,
+            "peak_extra_rss_bytes": m.peak_extra_bytes,
+            "peak_rss_bytes": m.peak_rss_bytes,
+            "details": details(m.output),
+        }
+        bar.update(1)
+        return m.output
+
+    record("read-pass", lambda: read_pass(updates), lambda total: {"checksum": total})
+
+    firm_base: MergeResult | None = None
+    for merge in merges:
+        fn = get_merge(merge)
+        kwargs: dict[str, Any] = {"epsilon": math.inf} if merge == "firm" else {}
+        result = record(
+            case_name(merge), lambda fn=fn, kw=kwargs: fn(updates, **kw), _merge_details
+        )
+        if merge == "firm":
+            firm_base = result
+        del result
+    if firm_base is None:
+        raise RuntimeError("the 'firm' merge is not registered; cannot benchmark the projection")
+
+    # Projection alone, m = retain clients of the main input (1 by default).
+    p1 = projection_input(firm_base, retain, keys, cfg.epsilon_factor)
+    del firm_base
+
+    def project(p: ProjectionInput, solver: str) -> dict[str, dict]:
+        return {
+            k: project_retention(
+                p.base[k], p.fishers[k], p.epsilon, solver=solver, out_dtype=dtype
+            )[1]
+            for k in keys
+        }
+
+    def proj_details(p: ProjectionInput) -> Callable[[dict[str, dict]], dict]:
+        def details(reports: dict[str, dict]) -> dict:
+            per = {k: _tensor_projection_report(r) for k, r in reports.items()}
+            return projection_details(per, p.epsilon)
+
+        return details
+
+    default_solver = projection_module.DEFAULT_SOLVER
+    record(f"projection-m{m1}", lambda: project(p1, default_solver), proj_details(p1))
+
+    # Multi-constraint projection on the input with `multi_retain` retain clients.
+    epsilon_multi = None
+    if multi_solvers:
+        variant = [*updates, *extra_retain]
+        base_multi = get_merge("firm")(variant, epsilon=math.inf)
+        pm = projection_input(base_multi, variant[cfg.forget_clients :], keys, cfg.epsilon_factor)
+        del base_multi
+        epsilon_multi = pm.epsilon
+        for solver in multi_solvers:
+            record(
+                f"projection-m{mm}-{solver}",
+                lambda s=solver: project(pm, s),
+                proj_details(pm),
+            )
+        del pm
+
+    record(
+        f"firm-projected-m{m1}",
+        lambda: get_merge("firm")(updates, epsilon=p1.epsilon),
+        lambda r: {
+            **_merge_details(r),
+            **projection_details(firm_projection_reports(r), p1.epsilon),
+        },
+    )
+    bar.close()
+
+    read_s = cases["read-pass"]["seconds"]
+    for c in cases.values():
+        c["ratio_to_read_pass"] = c["seconds"] / read_s if read_s > 0 else math.inf
+
+    main_bytes = input_bytes(updates)
+    extra_bytes = input_bytes(extra_retain) if mm else 0
+    return {
+        "benchmark": "bench_merge",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "config": asdict(cfg),
+        "environment": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "platform": platform.platform(),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": cfg.threads,
+        },
+        "input": {
+            "tensor_shape": [cfg.rows, cfg.cols],
+            "entries_per_tensor": cfg.rows * cfg.cols,
+            "fraction_of_paper_entries": cfg.rows * cfg.cols / (PAPER_ROWS * PAPER_COLS),
+            "clients": [str(u.node_id) for u in updates],
+            "main_bytes": main_bytes,
+            "main_gb": main_bytes / 1e9,
+            "multi_retain_extra_bytes": extra_bytes,
+            "generation_seconds": generation_s,
+        },
+        "memory_method": MEMORY_METHOD,
+        "solvers_available": solvers,
+        "default_solver": default_solver,
+        "epsilon": {
+            "factor": cfg.epsilon_factor,
+            f"m{m1}": p1.epsilon,
+            f"m{mm}": epsilon_multi,
+            "rule": "factor × mean over tensors and retain clients of the FIRM-base damage",
+        },
+        "case_order": plan,
+        "cases": cases,
+        "targets": targets(cases, m1, mm),
+        "paper_reference": PAPER_REFERENCE,
+        "notes": notes,
+    }
+
+
+def targets(cases: dict[str, dict], m1: int, mm: int) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    firm = cases.get("firm-base")
+    if firm is not None:
+        out.append(
+            {
+                "name": "FIRM base <= 10x read pass",
+                "value": firm["ratio_to_read_pass"],
+                "limit": TARGET_FIRM_BASE_VS_READ,
+                "met": firm["ratio_to_read_pass"] <= TARGET_FIRM_BASE_VS_READ,
+            }
+        )
+    proj = cases.get(f"projection-m{m1}")
+    if firm is not None and proj is not None:
+        ratio = proj["seconds"] / firm["seconds"]
+        out.append(
+            {
+                "name": f"projection (m={m1}) <= 1x FIRM base",
+                "value": ratio,
+                "limit": TARGET_PROJECTION_VS_FIRM_BASE,
+                "met": ratio <= TARGET_PROJECTION_VS_FIRM_BASE,
+            }
+        )
+    exact = cases.get(f"projection-m{mm}-exact")
+    if mm:
+        out.append(
+            {
+                "name": f"exact projection (m={mm}) reported",
+                "value": None if exact is None else exact["ratio_to_read_pass"],
+                "limit": None,
+                "met": exact is not None,
+            }
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------------- report
+def _gb(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 1e9:.2f}"
+
+
+def _sci(x: Any) -> str:
+    return "-" if x is None else f"{x:.1e}"
+
+
+def _case_note(case: dict[str, Any]) -> str:
+    d = case["details"]
+    if "summary" in d:
+        s = d["summary"]
+        return (
+            f"active {s['active_tensors']}/{s['tensors']}, it {s['iterations_total']}, "
+            f"sweeps<={s['sweeps_max']}, conv {s['converged_all']}, "
+            f"viol {_sci(s['max_primal_violation'])}, slack "
+            f"{_sci(s['max_complementary_slackness'])}, gap {_sci(s['max_abs_duality_gap'])}"
+        )
+    if "num_clusters" in d:
+        return f"{d['num_clusters']} clusters"
+    return ""
+
+
+def format_report(results: dict[str, Any]) -> str:
+    cfg = results["config"]
+    inp = results["input"]
+    cases = results["cases"]
+    lines = [
+        f"Merge benchmark: {len(inp['clients'])} clients ({cfg['forget_clients']} forget in "
+        f"{cfg['domains']} domains + {cfg['retain_clients']} retain), {cfg['tensors']} tensors "
+        f"of {cfg['rows']}x{cfg['cols']} ({inp['fraction_of_paper_entries']:.3g}x the paper's "
+        f"entries per tensor), {cfg['dtype']}, {cfg['threads']} thread(s), best of "
+        f"{cfg['repeats']}",
+        f"Input size: {inp['main_gb']:.3f} GB (task vectors + Fisher diagonals; the "
+        f"m={cfg['multi_retain']} input adds {inp['multi_retain_extra_bytes'] / 1e9:.3f} GB); "
+        f"generated in {inp['generation_seconds']:.1f} s",
+        f"Memory: {results['memory_method']}",
+        "",
+        f"{'case':<30} {'seconds':>9} {'x read':>8} {'+peak GB':>9}  notes",
+        "-" * 100,
+    ]
+    for name in results["case_order"]:
+        c = cases.get(name)
+        if c is None:
+            lines.append(f"{name:<30} {'skipped':>9}")
+            continue
+        lines.append(
+            f"{name:<30} {c['seconds']:>9.3f} {c['ratio_to_read_pass']:>8.2f} "
+            f"{_gb(c['peak_extra_rss_bytes']):>9}  {_case_note(c)}"
+        )
+    eps = results["epsilon"]
+    lines += ["", "epsilon: " + ", ".join(f"{k}={v}" for k, v in eps.items() if k != "rule")]
+    lines += ["", "Targets:"]
+    for t in results["targets"]:
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        verdict = "MET" if t["met"] else "NOT MET"
+        if t["limit"] is None:
+            verdict = "reported" if t["met"] else "NOT REPORTED"
+        lines.append(f"  {t['name']:<40} {value:>8}  {verdict}")
+    ref = results["paper_reference"]
+    paper_ratio = ref["fulm_seconds"] / ref["firm_seconds"]
+    firm, fulm = cases.get("firm-base"), cases.get("fulm")
+    lines += [
+        "",
+        f"Paper reference ({ref['setting']}): FIRM {ref['firm_seconds']:.0f} s, FULM "
+        f"{ref['fulm_seconds']:.0f} s (FULM/FIRM = {paper_ratio:.2f})",
+    ]
+    if firm is not None and fulm is not None:
+        lines.append(
+            f"This run: FIRM base {firm['seconds']:.2f} s, FULM {fulm['seconds']:.2f} s "
+            f"(FULM/FIRM = {fulm['seconds'] / firm['seconds']:.2f})"
+        )
+    lines += [f"Note: {n}" for n in results["notes"]]
+    return "\n".join(lines)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+# ------------------------------------------------------------------------------------- CLI
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m simulations.bench_merge",
+        description=__doc__.splitlines()[0],
+    )
+    p.add_argument("--forget-clients", type=_positive_int, default=6)
+    p.add_argument("--domains", type=_positive_int, default=2, help="forget domains")
+    p.add_argument("--retain-clients", type=_positive_int, default=1)
+    p.add_argument(
+        "--multi-retain",
+        type=_non_negative_int,
+        default=3,
+        help="retain clients of the multi-constraint projection input (0 skips it)",
+    )
+    p.add_argument("--tensors", type=_positive_int, default=3)
+    p.add_argument("--rows", type=_positive_int, default=None, help=f"default {DEFAULT_ROWS}")
+    p.add_argument("--cols", type=_positive_int, default=None, help=f"default {DEFAULT_COLS}")
+    p.add_argument(
+        "--paper-scale",
+        action="store_true",
+        help=f"tensors of {PAPER_ROWS}x{PAPER_COLS} (4x the default), 1 repeat unless given",
+    )
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--repeats", type=_positive_int, default=None, help="default 3 (1 at paper scale)"
+    )
+    p.add_argument("--threads", type=_positive_int, default=None, help="default: all CPUs")
+    p.add_argument(
+        "--epsilon-factor",
+        type=float,
+        default=0.3,
+        help="budget = factor x mean FIRM-base damage; in (0, 1) so the projection is active",
+    )
+    p.add_argument("--fisher-correlation", type=float, default=0.7, help="in [0, 1)")
+    p.add_argument("--output", type=Path, default=None, help="JSON path (default outputs/bench/)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> BenchConfig:
+    if args.paper_scale and (args.rows is not None or args.cols is not None):
+        parser.error("--paper-scale fixes the shape; do not combine it with --rows/--cols")
+    if args.domains > args.forget_clients:
+        parser.error(
+            f"--domains ({args.domains}) must not exceed --forget-clients ({args.forget_clients}): "
+            "every forget domain needs a client"
+        )
+    if args.multi_retain and args.multi_retain <= args.retain_clients:
+        parser.error(
+            f"--multi-retain ({args.multi_retain}) must exceed --retain-clients "
+            f"({args.retain_clients}), or be 0 to skip the multi-constraint projection"
+        )
+    if not 0.0 < args.epsilon_factor < 1.0:
+        parser.error(f"--epsilon-factor must be in (0, 1), got {args.epsilon_factor}")
+    if not 0.0 <= args.fisher_correlation < 1.0:
+        parser.error(f"--fisher-correlation must be in [0, 1), got {args.fisher_correlation}")
+    rows = PAPER_ROWS if args.paper_scale else (args.rows or DEFAULT_ROWS)
+    cols = PAPER_COLS if args.paper_scale else (args.cols or DEFAULT_COLS)
+    repeats = args.repeats or (1 if args.paper_scale else 3)
+    cfg = BenchConfig(
+        forget_clients=args.forget_clients,
+        domains=args.domains,
+        retain_clients=args.retain_clients,
+        multi_retain=args.multi_retain,
+        tensors=args.tensors,
+        rows=rows,
+        cols=cols,
+        dtype=args.dtype,
+        seed=args.seed,
+        repeats=repeats,
+        threads=args.threads or os.cpu_count() or 1,
+        epsilon_factor=args.epsilon_factor,
+        fisher_correlation=args.fisher_correlation,
+        paper_scale=args.paper_scale,
+    )
+    need = estimated_input_bytes(cfg)
+    avail = _meminfo_bytes("MemAvailable")
+    if avail is not None and need > avail:
+        parser.error(
+            f"the inputs alone need about {need / 1e9:.1f} GB but only {avail / 1e9:.1f} GB of "
+            "memory is available; use fewer/smaller tensors or --dtype bf16"
+        )
+    if avail is not None and 2 * need > avail:
+        print(
+            f"warning: the inputs need about {need / 1e9:.1f} GB of the {avail / 1e9:.1f} GB "
+            "available; the merges need more on top",
+            file=sys.stderr,
+        )
+    return cfg
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, parser)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output = args.output or REPO_ROOT / "outputs" / "bench" / f"bench_merge-{stamp}.json"
+    results = run_benchmark(cfg, progress=not args.no_progress)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(_json_safe(results), indent=2) + "\n", encoding="utf-8")
+    print(format_report(results))
+    print(f"\nJSON written to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
