@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gammas", default="", help='e.g. "sum=2 fulm=2 firm=8"')
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    logging.getLogger("flwr").propagate = False  # one copy of each log line
     gammas = dict(DEFAULT_GAMMAS)
     for part in args.gammas.split():
         name, _, value = part.partition("=")

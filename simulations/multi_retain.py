@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import time
 from pathlib import Path
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run-config", default="")
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)
+    logging.getLogger("flwr").propagate = False  # one copy of each log line
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"multi-retain-{stamp}").resolve()
     print(markdown(study(args.run_config, out)))

@@ -18,6 +18,7 @@ import argparse
 import copy
 import dataclasses
 import json
+import logging
 import time
 import tomllib
 from pathlib import Path
@@ -201,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         help="re-merge the uploads of an earlier run in --output-dir",
     )
     args = parser.parse_args(argv)
+    logging.getLogger("flwr").propagate = False  # one copy of each log line
     strategies = [s for s in args.strategies.split(",") if s]
     grids = parse_gammas(args.gammas, strategies)
     stamp = time.strftime("%Y%m%d-%H%M%S")
