@@ -112,7 +112,11 @@ def study(run_config: str, output_dir: Path, gamma: float | None = None) -> dict
                     p.get("max_complementary_slackness", 0.0) for p in projections
                 ),
                 "max_duality_gap": max(p.get("duality_gap", 0.0) for p in projections),
-                "objective": sum(p.get("objective", 0.0) for p in projections),
+                # ½‖Δ* − Δ_base‖² summed over tensors: what the projection minimises
+                "objective": sum(
+                    0.5 * float(((projected.delta[k].double() - base.delta[k].double()) ** 2).sum())
+                    for k in base.delta
+                ),
                 "clients": clients,
                 "metrics": flower.evaluate(f"m={m} {solver}", projected.delta),
             }

@@ -18,6 +18,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import tomllib
 import urllib.request
@@ -164,7 +165,10 @@ def run(
     scenario, strategy = user.get("scenario", "tofu"), user.get("strategy", "firm")
     strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(strategy))
     output_dir = (output_dir or REPO_ROOT / "outputs" / f"{scenario}-{strategy}-{stamp}").resolve()
-    flwr_home = (flwr_home or REPO_ROOT / ".flwr_home").resolve()
+    if flwr_home is None:  # one Flower home per run: concurrent runs never share a config
+        (REPO_ROOT / ".flwr_home").mkdir(exist_ok=True)
+        flwr_home = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=REPO_ROOT / ".flwr_home"))
+    flwr_home = flwr_home.resolve()
     if user.get("cache-dir"):
         cache_dir = Path(str(user["cache-dir"]))
     cache_dir = cache_dir or default_cache_dir()

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import logging
 import time
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -66,14 +65,6 @@ def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
             raise ValueError(f"--gammas names {name!r}, which is not in --strategies")
         grids[name] = [float(v) for v in values.split(",") if v]
     return grids
-
-
-def settings_for(run_config: str) -> RunSettings:
-    defaults = tomllib.loads((run_local.REPO_ROOT / "pyproject.toml").read_text())
-    config = {**defaults["tool"]["flwr"]["app"]["config"]}
-    config["cache-dir"] = str(run_local.default_cache_dir())  # where run_local builds it
-    config.update(run_local.parse_config_pairs(run_config) if run_config else {})
-    return RunSettings.from_run_config(config)
 
 
 def apply_delta(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -126,7 +117,7 @@ def run_and_load_uploads(
     if not (reuse and results_path.is_file() and (output_dir / "uploads").is_dir()):
         results_path = run_local.run(config, output_dir=output_dir)
     results = json.loads(results_path.read_text())
-    settings = settings_for(config)
+    settings = RunSettings.from_run_config(results["config"])  # exactly what the run used
     run_model = load_run_model(settings, show_progress=False)
     reference = results["metrics"].get("reference")
     return FlowerUploads(

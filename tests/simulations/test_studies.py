@@ -1,0 +1,71 @@
+"""The study drivers end to end at a tiny scale: one real Flower run each, then re-merges."""
+
+import json
+
+import pytest
+
+from simulations import magnitude, multi_retain, sweep
+
+pytestmark = pytest.mark.slow
+
+TINY = "lora-rank=4 lora-alpha=8.0 eval-max-new-tokens=8 eval-retain-samples=20"
+
+
+@pytest.fixture()
+def checkpoint(tmp_path, tiny_model, tiny_tokenizer):
+    tiny_model.save_pretrained(tmp_path / "ckpt")
+    tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
+    out = tmp_path / "sweep"
+    summary = sweep.sweep(
+        ["firm", "sum"],
+        {"firm": [1.0, 4.0], "sum": [0.5]},
+        f"model-path='{checkpoint}' num-authors=20 retain-samples=20 {TINY}",
+        out,
+    )
+    assert sorted(p.name for p in (out / "points").iterdir()) == [
+        "firm-g1.json",
+        "firm-g4.json",
+        "sum-g0.5.json",
+    ]
+    norms = {(p["strategy"], p["gamma"]): p["norm_final"] for p in summary["points"]}
+    assert norms[("firm", 4.0)] == pytest.approx(4 * norms[("firm", 1.0)], rel=1e-4)
+    assert len(summary["matched_forgetting"]) == 2  # every FIRM point vs its nearest SUM point
+    assert "Matched forgetting" in (out / "summary.md").read_text()
+    assert (out / "frontier.png").stat().st_size > 10_000
+    # re-using the finished Flower run gives the same numbers
+    again = sweep.sweep(["firm"], {"firm": [1.0]}, "", out, reuse_run=True)
+    assert again["points"][0]["metrics"] == summary["points"][0]["metrics"]
+
+
+def test_multi_retain_exact_beats_increase_only(tmp_path, checkpoint):
+    summary = multi_retain.study(
+        f"model-path='{checkpoint}' num-authors=20 {TINY}", tmp_path / "mr", gamma=4.0
+    )
+    assert [row["m"] for row in summary["rows"]] == [1, 2, 3]
+    for row in summary["rows"]:
+        exact, paper = row["exact"], row["increase-only"]
+        assert len(exact["clients"]) == row["m"]
+        for client in exact["clients"].values():
+            assert client["damage_after"] <= client["damage_before"]
+        assert exact["max_violation"] <= 1e-4 * row["epsilon"] + 1e-12
+        assert exact["objective"] <= paper["objective"] * (1 + 1e-6) + 1e-15
+        assert exact["norm_final"] <= exact["norm_base"] + 1e-9
+    domains = sorted(c["domain"] for c in summary["rows"][2]["exact"]["clients"].values())
+    assert domains == ["retain-authors-a", "retain-authors-b", "retain-world"]
+    assert json.loads((tmp_path / "mr" / "multi_retain.json").read_text())["rows"]
+
+
+def test_magnitude_sum_grows_firm_does_not(tmp_path, checkpoint):
+    summary = magnitude.study(
+        f"model-path='{checkpoint}' num-authors=200 retain-samples=20 {TINY}",
+        {"sum": 1.0, "fulm": 1.0, "firm": 1.0},
+        tmp_path / "mag",
+    )
+    norm = {(r["method"], r["n_domains"]): r["norm"] for r in summary["rows"]}
+    assert norm[("sum", 4)] > 1.5 * norm[("sum", 1)]
+    assert norm[("firm", 4)] / norm[("firm", 1)] < norm[("sum", 4)] / norm[("sum", 1)]
+    assert (tmp_path / "mag" / "magnitude.png").stat().st_size > 10_000
