@@ -37,6 +37,8 @@ DEFAULT_GAMMAS = {"sum": 2.0, "fulm": 2.0, "firm": 8.0}
 def study(run_config: str, gammas: dict[str, float], output_dir: Path) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
     flower = run_and_load_uploads(f"{SCENARIO} {run_config}".strip(), output_dir / "flower-run")
+    position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
+    flower.updates.sort(key=lambda u: position[str(u.node_id)])  # domain 0, 1, 2, 3
     forget = [u for u in flower.updates if u.role == "forget"]
     retain = [u for u in flower.updates if u.role == "retain"]
     records = all_records(flower.run_model.data)

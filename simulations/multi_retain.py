@@ -158,11 +158,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--run-config", default="")
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument(
+        "--reuse-run",
+        action="store_true",
+        help="re-merge the uploads of an earlier run in --output-dir",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("flwr").propagate = False  # one copy of each log line
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"multi-retain-{stamp}").resolve()
-    print(markdown(study(args.run_config, out)))
+    print(markdown(study(args.run_config, out, reuse=args.reuse_run)))
     print(f"written to {out}")
     return 0
 

@@ -175,6 +175,10 @@ class MergeStrategy(Strategy):
             )
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
+        # merge in the scenario's client order, not in the order replies arrived:
+        # the same run config then gives the same floating-point sums
+        order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
+        updates.sort(key=lambda u: order.get(int(u.node_id), len(order)))
         self.last_updates = updates
         started = time.perf_counter()
         result = self.merge_fn(updates, **self.merge_kwargs)
