@@ -23,6 +23,9 @@ Cases, each timed with ``time.perf_counter`` (best of ``--repeats``):
   context): the same on the input with ``--multi-retain`` retain clients;
 * ``firm-projected-m1``: FIRM with the projection, end to end.
 
+``--cases`` (comma-separated names) times only the named cases; ``read-pass`` always runs, and the
+inputs the projection cases need (the FIRM-base result, the budget) are still computed, untimed.
+
 Peak memory: before each run the process's RSS high-water mark is reset (``5`` written to
 ``/proc/self/clear_refs``) and ``VmHWM − VmRSS`` (from ``/proc/self/status``) after the run is
 reported as the case's extra peak RSS (after ``gc.collect()`` and glibc's ``malloc_trim(0)``,
@@ -47,7 +50,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +127,8 @@ class BenchConfig:
     epsilon_factor: float = 0.3
     fisher_correlation: float = 0.7
     paper_scale: bool = False
+    #: Cases to time (``None``: all); ``read-pass`` always runs.
+    cases: tuple[str, ...] | None = None
 
 
 # ----------------------------------------------------------------------------------- memory
@@ -395,6 +400,17 @@ def run_benchmark(cfg: BenchConfig, *, progress: bool = True) -> dict[str, Any]:
         torch.set_num_threads(old_threads)
 
 
+def case_plan(cfg: BenchConfig) -> list[str]:
+    """Every case name a run with ``cfg`` knows, in report order (ignores ``cfg.cases``)."""
+    m1, mm = cfg.retain_clients, cfg.multi_retain
+    plan = ["read-pass", *(case_name(n) for n in merge_names()), f"projection-m{m1}"]
+    if mm:
+        plan += [f"projection-m{mm}-{s}" for s in ("exact", "increase-only")]
+    if "firm" in MERGES:
+        plan.append(f"firm-projected-m{m1}")
+    return plan
+
+
 def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
     dtype = DTYPES[cfg.dtype]
     t0 = time.perf_counter()
@@ -406,10 +422,17 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
     m1, mm = len(retain), cfg.multi_retain
     notes: list[str] = []
 
+    def wanted(name: str) -> bool:
+        return name == "read-pass" or cfg.cases is None or name in cfg.cases
+
     merges = merge_names()
     plan = ["read-pass", *(case_name(n) for n in merges), f"projection-m{m1}"]
-    multi_solvers = [s for s in ("exact", "increase-only") if mm and s in solvers]
-    if mm and "exact" not in solvers:
+    multi_solvers = [
+        s
+        for s in ("exact", "increase-only")
+        if mm and s in solvers and wanted(f"projection-m{mm}-{s}")
+    ]
+    if mm and "exact" not in solvers and wanted(f"projection-m{mm}-exact"):
         notes.append(
             f"solver 'exact' is not available (available: {solvers}); "
             f"projection-m{mm}-exact was skipped"
@@ -419,6 +442,8 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
         plan.append(f"projection-m{mm}-exact")  # reported as skipped
     if "firm" in MERGES:
         plan.append(f"firm-projected-m{m1}")
+    plan = [name for name in plan if wanted(name)]
+    need_p1 = wanted(f"projection-m{m1}") or wanted(f"firm-projected-m{m1}")
 
     cases: dict[str, dict[str, Any]] = {}
     bar = tqdm(total=len(plan), desc="bench", unit="case", disable=not progress)
@@ -442,17 +467,24 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
     for merge in merges:
         fn = get_merge(merge)
         kwargs: dict[str, Any] = {"epsilon": math.inf} if merge == "firm" else {}
-        result = record(
-            case_name(merge), lambda fn=fn, kw=kwargs: fn(updates, **kw), _merge_details
-        )
+        if wanted(case_name(merge)):
+            result = record(
+                case_name(merge), lambda fn=fn, kw=kwargs: fn(updates, **kw), _merge_details
+            )
+        elif merge == "firm" and need_p1:
+            result = fn(updates, **kwargs)  # untimed: the projection cases need it
+        else:
+            continue
         if merge == "firm":
             firm_base = result
         del result
-    if firm_base is None:
+    if need_p1 and firm_base is None:
         raise RuntimeError("the 'firm' merge is not registered; cannot benchmark the projection")
 
     # Projection alone, m = retain clients of the main input (1 by default).
-    p1 = projection_input(firm_base, retain, keys, cfg.epsilon_factor)
+    p1 = None
+    if firm_base is not None and need_p1:
+        p1 = projection_input(firm_base, retain, keys, cfg.epsilon_factor)
     del firm_base
 
     def project(p: ProjectionInput, solver: str) -> dict[str, dict]:
@@ -471,7 +503,8 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
         return details
 
     default_solver = projection_module.DEFAULT_SOLVER
-    record(f"projection-m{m1}", lambda: project(p1, default_solver), proj_details(p1))
+    if p1 is not None and wanted(f"projection-m{m1}"):
+        record(f"projection-m{m1}", lambda: project(p1, default_solver), proj_details(p1))
 
     # Multi-constraint projection on the input with `multi_retain` retain clients.
     epsilon_multi = None
@@ -489,14 +522,16 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
             )
         del pm
 
-    record(
-        f"firm-projected-m{m1}",
-        lambda: get_merge("firm")(updates, epsilon=p1.epsilon),
-        lambda r: {
-            **_merge_details(r),
-            **projection_details(firm_projection_reports(r), p1.epsilon),
-        },
-    )
+    if p1 is not None and wanted(f"firm-projected-m{m1}"):
+        eps1 = p1.epsilon
+        record(
+            f"firm-projected-m{m1}",
+            lambda: get_merge("firm")(updates, epsilon=eps1),
+            lambda r: {
+                **_merge_details(r),
+                **projection_details(firm_projection_reports(r), eps1),
+            },
+        )
     bar.close()
 
     read_s = cases["read-pass"]["seconds"]
@@ -531,13 +566,13 @@ def _run(cfg: BenchConfig, *, progress: bool) -> dict[str, Any]:
         "default_solver": default_solver,
         "epsilon": {
             "factor": cfg.epsilon_factor,
-            f"m{m1}": p1.epsilon,
+            f"m{m1}": None if p1 is None else p1.epsilon,
             f"m{mm}": epsilon_multi,
             "rule": "factor × mean over tensors and retain clients of the FIRM-base damage",
         },
         "case_order": plan,
         "cases": cases,
-        "targets": targets(cases, m1, mm),
+        "targets": targets(cases, m1, mm if wanted(f"projection-m{mm}-exact") else 0),
         "paper_reference": PAPER_REFERENCE,
         "notes": notes,
     }
@@ -722,6 +757,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="budget = factor x mean FIRM-base damage; in (0, 1) so the projection is active",
     )
     p.add_argument("--fisher-correlation", type=float, default=0.7, help="in [0, 1)")
+    p.add_argument(
+        "--cases",
+        default=None,
+        help="comma-separated case names to time (default: all; read-pass always runs)",
+    )
     p.add_argument("--output", type=Path, default=None, help="JSON path (default outputs/bench/)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
@@ -763,6 +803,16 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         fisher_correlation=args.fisher_correlation,
         paper_scale=args.paper_scale,
     )
+    if args.cases is not None:
+        names = tuple(dict.fromkeys(n.strip() for n in args.cases.split(",") if n.strip()))
+        known = case_plan(cfg)
+        unknown = [n for n in names if n not in known]
+        if not names or unknown:
+            parser.error(
+                f"--cases: unknown case name(s) {unknown or [args.cases]}; known: "
+                + ", ".join(known)
+            )
+        cfg = replace(cfg, cases=names)
     need = estimated_input_bytes(cfg)
     avail = _meminfo_bytes("MemAvailable")
     if avail is not None and need > avail:

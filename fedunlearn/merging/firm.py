@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
-from .projection import DEFAULT_SOLVER, check_solver, project_retention
+from .projection import DEFAULT_SOLVER, _project_checked, check_solver
 
 # Solver summary and KKT certificate copied from project_retention's report, per tensor.
 _PROJECTION_KEYS: tuple[str, ...] = (
@@ -234,7 +234,9 @@ def firm_merge(
         del forget_term, retain_term
 
         # With an infinite budget (or no retain client) this only casts and reports damages.
-        final, proj = project_retention(
+        # The F̃_k are finite and non-negative by construction (ClientUpdate validates the raw
+        # Fishers), so project_retention's argument checks are skipped.
+        final, proj = _project_checked(
             base,
             retain_ft,
             epsilon if project else math.inf,
@@ -245,7 +247,8 @@ def firm_merge(
         )
         del retain_ft
 
-        norm_base, norm_final = _norm(base), _norm(final)
+        norm_base = _norm(base)
+        norm_final = norm_base if final is base else _norm(final)
         total_base_sq += norm_base**2
         total_final_sq += norm_final**2
         numel = final.numel()
@@ -254,7 +257,7 @@ def firm_merge(
             "norm_final": norm_final,
             "norm_forget_term": norm_forget,
             "norm_retain_term": norm_retain,
-            "support_fraction": float((final != 0).sum()) / numel if numel else 0.0,
+            "support_fraction": int(torch.count_nonzero(final)) / numel if numel else 0.0,
             "damage_before": dict(zip(retain_ids, proj["damage_before"], strict=True)),
             "damage_after": dict(zip(retain_ids, proj["damage_after"], strict=True)),
             "multipliers": dict(zip(retain_ids, proj["multipliers"], strict=True)),

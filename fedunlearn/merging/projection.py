@@ -89,13 +89,19 @@ def fisher_damage(delta: torch.Tensor, fisher_sparse: torch.Tensor) -> float:
 
 def cast_toward_zero(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Cast ``x`` to ``dtype`` rounding toward zero, so that ``|result(j)| ≤ |x(j)|``."""
+    if x.dtype == torch.float32 and dtype == torch.bfloat16:
+        # bfloat16 is float32 without the low 16 mantissa bits (same sign and exponent bits),
+        # so clearing those bits rounds toward zero, after which the cast is exact.  (Infinities
+        # and quiet NaNs keep their class; only a signalling NaN whose payload lies entirely in
+        # the cleared bits would become an infinity.)
+        return (x.view(torch.int32) & -(1 << 16)).view(torch.float32).to(dtype)
     y = x.to(dtype)
     if dtype == x.dtype or not dtype.is_floating_point:
         return y
     wide = torch.promote_types(dtype, x.dtype)
     over = y.to(wide).abs() > x.to(wide).abs()
     if bool(over.any()):
-        y = torch.where(over, torch.nextafter(y, torch.zeros_like(y)), y)
+        y = torch.where(over, torch.nextafter(y, y.new_zeros(())), y)
     return y
 
 
@@ -499,7 +505,6 @@ def project_retention(
         raise ValueError(f"max_iter must be a positive int, got {max_iter!r}")
     if not delta_base.is_floating_point():
         raise TypeError(f"delta_base must be a floating tensor, got {delta_base.dtype}")
-    out_dtype = delta_base.dtype if out_dtype is None else out_dtype
     fishers = list(retain_fishers)
     for k, f in enumerate(fishers):
         if tuple(f.shape) != tuple(delta_base.shape):
@@ -507,11 +512,55 @@ def project_retention(
                 f"retain Fisher #{k} has shape {tuple(f.shape)}, "
                 f"delta_base has {tuple(delta_base.shape)}"
             )
-        if not bool(torch.isfinite(f).all()) or bool((f < 0).any()):
-            raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
+        if f.numel():
+            # One pass: NaN propagates into min/max and fails both comparisons.
+            lo, hi = torch.aminmax(f)
+            if not (float(lo) >= 0.0 and float(hi) < math.inf):
+                raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
+    return _project_checked(
+        delta_base,
+        fishers,
+        epsilon,
+        solver=solver,
+        max_iter=max_iter,
+        tol=tol,
+        out_dtype=delta_base.dtype if out_dtype is None else out_dtype,
+    )
+
+
+class _SparseFisher:
+    """A Fisher diagonal kept as its non-zero entries: flat indices and float64 values."""
+
+    def __init__(self, fisher: torch.Tensor, device: torch.device) -> None:
+        flat = fisher.reshape(-1).to(device)
+        self.idx = torch.nonzero(flat).squeeze(1)
+        self.values = flat[self.idx].to(torch.float64)
+
+    def damage(self, delta_flat: torch.Tensor) -> float:
+        """``Σ_j F̃(j)·Δ(j)²`` over the support (where ``F̃`` is zero nothing is added)."""
+        d = delta_flat[self.idx].to(torch.float64)
+        return float((self.values * d * d).sum())
+
+
+def _project_checked(
+    delta_base: torch.Tensor,
+    fishers: list[torch.Tensor],
+    epsilon: float,
+    *,
+    solver: str,
+    max_iter: int,
+    tol: float | None,
+    out_dtype: torch.dtype,
+) -> tuple[torch.Tensor, dict]:
+    """:func:`project_retention` on validated arguments (``out_dtype`` resolved).
+
+    Damages are summed over the support of each ``F̃_k`` only (they are zero elsewhere).
+    """
     m = len(fishers)
     tau = max(1e-4 * epsilon, 1e-12) if tol is None else float(tol)
-    damage_before = [fisher_damage(delta_base, f) for f in fishers]
+    flat = delta_base.reshape(-1)
+    sparse = [_SparseFisher(f, flat.device) for f in fishers]
+    damage_before = [sf.damage(flat) for sf in sparse]
     lam = [0.0] * m
     iterations = 0
     sweeps = 0
@@ -531,13 +580,20 @@ def project_retention(
             result = cast_toward_zero(delta_base, out_dtype)
         else:
             result = delta_base.to(out_dtype)
+        if out_dtype == delta_base.dtype:
+            damage_after = list(damage_before)  # the cast changed nothing
+        else:
+            damage_after = [sf.damage(result.reshape(-1)) for sf in sparse]
     else:
-        flat = delta_base.reshape(-1)
-        fsum = torch.zeros_like(flat, dtype=torch.float32)
-        for f in fishers:
-            fsum += f.reshape(-1).to(device=flat.device, dtype=torch.float32)
-        idx = torch.nonzero((fsum > 0) & (flat != 0)).squeeze(1)
-        del fsum
+        # Solver coordinates: in the support of some F̃_k, with Δ_base(j) ≠ 0 (ascending).
+        if m == 1:
+            idx = sparse[0].idx[flat[sparse[0].idx] != 0]
+        else:
+            in_support = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+            for sf in sparse:
+                in_support[sf.idx] = True
+            idx = torch.nonzero(in_support & (flat != 0)).squeeze(1)
+            del in_support
         base_s = flat[idx].to(torch.float64)
         fs = torch.stack(
             [f.reshape(-1).to(flat.device)[idx].to(torch.float64) for f in fishers]
@@ -566,11 +622,15 @@ def project_retention(
         if solver == "exact" or m == 1:
             converged = converged and _kkt_residual(lam_t, b, epsilon) <= tau
 
-        out = flat.to(torch.float64).clone()
-        out[idx] = proj_s
-        result = cast_toward_zero(out, out_dtype).reshape(delta_base.shape)
+        # Off the solver support Δ* = Δ_base: cast it straight from its own dtype (the same
+        # value, so the same rounding as from float64), then write the projected entries.
+        out = cast_toward_zero(flat, out_dtype)
+        if out is flat:
+            out = out.clone()  # the cast was a no-op: never write into the caller's tensor
+        out[idx] = cast_toward_zero(proj_s, out_dtype)
+        damage_after = [sf.damage(out) for sf in sparse]
+        result = out.reshape(delta_base.shape)
 
-    damage_after = [fisher_damage(result, f) for f in fishers]
     max_violation = 0.0
     if math.isfinite(epsilon):
         max_violation = max([max(b - epsilon, 0.0) for b in damage_after], default=0.0)

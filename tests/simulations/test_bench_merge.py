@@ -77,3 +77,28 @@ def test_bad_arguments(argv, capsys):
         bench_merge.main(argv)
     assert err.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_cases_selects_cases(tmp_path):
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--no-progress", "--output", str(out)]
+    assert bench_merge.main([*argv, "--cases", "projection-m1, firm-projected-m1"]) == 0
+    res = json.loads(out.read_text())
+    assert set(res["cases"]) == {"read-pass", "projection-m1", "firm-projected-m1"}
+    assert res["case_order"] == ["read-pass", "projection-m1", "firm-projected-m1"]
+    assert res["config"]["cases"] == ["projection-m1", "firm-projected-m1"]
+    assert res["epsilon"]["m1"] > 0 and res["epsilon"]["m3"] is None
+    assert res["cases"]["projection-m1"]["details"]["summary"]["active_tensors"] >= 1
+    assert "exact projection (m=3) reported" not in {t["name"] for t in res["targets"]}
+    assert "projection-m1" in bench_merge.format_report(res)
+
+
+@pytest.mark.parametrize("cases", ["firm-base,nonsense", "", "projection-m3-exact"])
+def test_bad_cases(cases, capsys):
+    argv = [*TINY, "--cases", cases]
+    if cases == "projection-m3-exact":
+        argv += ["--multi-retain", "0"]
+    with pytest.raises(SystemExit) as err:
+        bench_merge.main(argv)
+    assert err.value.code == 2
+    assert "--cases" in capsys.readouterr().err

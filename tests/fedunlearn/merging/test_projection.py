@@ -151,3 +151,30 @@ def test_bad_arguments() -> None:
         project_retention(base, [torch.ones(3, dtype=torch.float64)], 1.0)
     with pytest.raises(ValueError, match="non-negative"):
         project_retention(base, [-fishers[0] - 1], 1.0)
+
+
+def test_cast_toward_zero_bf16_matches_nextafter_rule() -> None:
+    """The float32 -> bfloat16 bit-truncation path equals round-to-nearest + nextafter."""
+
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64)
+    x = bits.to(torch.int32).view(torch.float32)
+    x = torch.cat([x[~torch.isnan(x)], torch.tensor([0.0, -0.0, math.inf, -math.inf, 1e-45])])
+    y = x.to(torch.bfloat16)
+    over = y.to(torch.float32).abs() > x.abs()
+    ref = torch.where(over, torch.nextafter(y, torch.zeros_like(y)), y)
+    got = cast_toward_zero(x, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))
+    assert bool(torch.isnan(cast_toward_zero(torch.tensor([math.nan]), torch.bfloat16)).all())
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float64, torch.bfloat16])
+def test_projection_never_writes_into_its_input(out_dtype) -> None:
+    g = torch.Generator().manual_seed(5)
+    base = torch.randn(30, 40, generator=g).t()  # non-contiguous
+    fisher = torch.rand(40, 30, generator=g) * (torch.rand(40, 30, generator=g) < 0.2)
+    keep = base.clone()
+    out, rep = project_retention(base, [fisher], 1e-3, out_dtype=out_dtype)
+    assert rep["active"]
+    assert torch.equal(base, keep)
+    assert not torch.equal(out.to(torch.float64), keep.to(torch.float64))
