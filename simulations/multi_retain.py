@@ -61,9 +61,16 @@ def _per_client(report: dict, node_id: str, key: str) -> list[float]:
     return [t[key][node_id] for t in report["tensors"].values()]
 
 
-def study(run_config: str, output_dir: Path, gamma: float | None = None) -> dict[str, Any]:
+def study(
+    run_config: str, output_dir: Path, gamma: float | None = None, *, reuse: bool = False
+) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
-    flower = run_and_load_uploads(f"{SCENARIO} {run_config}".strip(), output_dir / "flower-run")
+    flower = run_and_load_uploads(
+        f"{SCENARIO} {run_config}".strip(), output_dir / "flower-run", reuse=reuse
+    )
+    # the scenario's client order (authors A, world, authors B), not the order replies came in
+    position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
+    flower.updates.sort(key=lambda u: position[str(u.node_id)])
     gamma = gamma if gamma is not None else flower.settings.gamma
     forget = [u for u in flower.updates if u.role == "forget"]
     retain = [u for u in flower.updates if u.role == "retain"]
