@@ -13,11 +13,11 @@ from simulations import run_local
 
 pytestmark = pytest.mark.slow
 
-# Thresholds, chosen from the measured default run (forget ROUGE-L 1.00 → 0.65 with the
-# reference at 0.60, exact match 1.00 → 0.00, utility 0.516 → 0.514, retain ROUGE-L
-# 1.00 → 0.99) with head-room for run-to-run float noise:
+# Thresholds, chosen from measured default runs (fresh substrate: forget ROUGE-L 1.00 → 0.68
+# with the reference at 0.59, exact match 1.00 → 0.00, utility 0.530 → 0.528, retain ROUGE-L
+# 1.00 → 0.98) with head-room for float differences between machines:
 # * ROUGE-L of a template-heavy answer never reaches 0 (the retain-only reference, which never
-#   saw the forget authors, scores 0.60), so forgetting is measured as the share of the gap
+#   saw the forget authors, scores ~0.6), so forgetting is measured as the share of the gap
 #   between the original and the reference that unlearning closes: at least 60 %;
 # * forget exact match must fall from >= 0.9 to <= 0.25;
 # * "close to the original": model utility may lose at most 0.05 and retain ROUGE-L at most
