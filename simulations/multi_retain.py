@@ -27,7 +27,7 @@ from fedunlearn.evaluation import evaluate_split
 from fedunlearn.merging import firm_merge
 from fedunlearn.scenarios import all_records
 from simulations import run_local
-from simulations.sweep import FlowerUploads, apply_delta, run_and_load_uploads
+from simulations.sweep import FlowerUploads, run_and_load_uploads
 from strategies.results import json_safe
 
 SCENARIO = "num-retain-clients=3 retain-layout='heterogeneous' retain-samples=100"
@@ -81,21 +81,25 @@ def study(
         ids = [str(u.node_id) for u in retain[:m]]
         damages = [d for i in ids for d in _per_client(base.report, i, "damage_before")]
         epsilon = BUDGET_FRACTION * statistics.fmean(damages)
-        base_model = apply_delta(flower.run_model.model, base.delta)
+        base_model = flower.merged(base.delta)
         entry: dict[str, Any] = {
             "m": m,
             "epsilon": epsilon,
             "gamma": gamma,
-            "without_projection": flower.evaluate(f"m={m} base", base.delta),
+            "without_projection": flower.evaluate_merged(f"m={m} base", base_model),
+        }
+        records = {node_id: _client_records(flower, node_id) for node_id in ids}
+        utility_without = {
+            node_id: _own_data_utility(flower, base_model, records[node_id], update.domain)
+            for node_id, update in zip(ids, retain[:m], strict=True)
         }
         for solver in ("exact", "increase-only"):
             started = time.perf_counter()
             projected = firm_merge(updates, gamma=gamma, epsilon=epsilon, solver=solver)
             seconds = time.perf_counter() - started
-            model = apply_delta(flower.run_model.model, projected.delta)
+            model = flower.merged(projected.delta)
             clients = {}
             for node_id, update in zip(ids, retain[:m], strict=True):
-                records = _client_records(flower, node_id)
                 clients[node_id] = {
                     "domain": update.domain,
                     "multipliers_mean": statistics.fmean(
@@ -104,10 +108,10 @@ def study(
                     "multipliers_max": max(_per_client(projected.report, node_id, "multipliers")),
                     "damage_before": sum(_per_client(projected.report, node_id, "damage_before")),
                     "damage_after": sum(_per_client(projected.report, node_id, "damage_after")),
-                    "utility_without": _own_data_utility(
-                        flower, base_model, records, update.domain
+                    "utility_without": utility_without[node_id],
+                    "utility_with": _own_data_utility(
+                        flower, model, records[node_id], update.domain
                     ),
-                    "utility_with": _own_data_utility(flower, model, records, update.domain),
                 }
             projections = [t["projection"] for t in projected.report["tensors"].values()]
             entry[solver] = {
@@ -125,7 +129,7 @@ def study(
                     for k in base.delta
                 ),
                 "clients": clients,
-                "metrics": flower.evaluate(f"m={m} {solver}", projected.delta),
+                "metrics": flower.evaluate_merged(f"m={m} {solver}", model),
             }
         rows.append(entry)
     summary = {

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import signal
 import socket
@@ -24,9 +23,10 @@ import tomllib
 import urllib.request
 from pathlib import Path
 
+from strategies.settings import RunSettings
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
-DEFAULT_NUM_CLIENTS = {"num-forget-clients": 5, "num-retain-clients": 1}
 
 
 def parse_config_pairs(text: str) -> dict:
@@ -125,17 +125,19 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache")).resolve()
 
 
-def prepare_substrate(overrides: dict, cache_dir: Path) -> None:
+def run_settings(overrides: dict) -> RunSettings:
+    """The pyproject run config with ``overrides`` applied (errors before Flower starts)."""
+    defaults = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    return RunSettings.from_run_config({**defaults["tool"]["flwr"]["app"]["config"], **overrides})
+
+
+def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     """Build the built-in model substrate here, with progress bars, before Flower starts.
 
     The ServerApp then finds it in the cache. Runs with ``model-path`` skip this.
     """
     from fedunlearn.models.substrate import ensure_substrate
-    from strategies.settings import RunSettings
 
-    defaults = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    config = {**defaults["tool"]["flwr"]["app"]["config"], **overrides}
-    settings = RunSettings.from_run_config(config)
     if settings.model_path:
         return
     print(
@@ -160,22 +162,20 @@ def run(
 ) -> Path:
     """Run one scenario and return the path of its ``results.json``."""
     user = parse_config_pairs(run_config) if run_config else {}
-    clients = sum(int(user.get(k, v)) for k, v in DEFAULT_NUM_CLIENTS.items())
+    settings = run_settings(user)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    scenario, strategy = user.get("scenario", "tofu"), user.get("strategy", "firm")
-    strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(strategy))
-    output_dir = (output_dir or REPO_ROOT / "outputs" / f"{scenario}-{strategy}-{stamp}").resolve()
+    output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
     if flwr_home is None:  # one Flower home per run: concurrent runs never share a config
         (REPO_ROOT / ".flwr_home").mkdir(exist_ok=True)
         flwr_home = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=REPO_ROOT / ".flwr_home"))
     flwr_home = flwr_home.resolve()
-    if user.get("cache-dir"):
-        cache_dir = Path(str(user["cache-dir"]))
+    if settings.cache_dir:
+        cache_dir = Path(settings.cache_dir)
     cache_dir = cache_dir or default_cache_dir()
     flwr_home.mkdir(parents=True, exist_ok=True)
     env = flower_env(flwr_home)
     env["FEDUNLEARN_CACHE_DIR"] = str(cache_dir.resolve())
-    prepare_substrate(user, cache_dir)
+    prepare_substrate(settings, cache_dir)
     process, port = start_superlink(flwr_home, env)
     try:
         (flwr_home / "config.toml").write_text(
@@ -185,7 +185,7 @@ def run(
         overrides = [f"output-dir='{output_dir}'", f"cache-dir='{cache_dir.resolve()}'"]
         if run_config:
             overrides.append(run_config)
-        federation = f"num-supernodes={clients} client-resources-num-cpus=1"
+        federation = f"num-supernodes={settings.num_clients} client-resources-num-cpus=1"
         if federation_config:
             federation += f" {federation_config}"
         command = [

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
-from fedunlearn.merging import ClientUpdate
+from fedunlearn.merging import ClientUpdate, apply_delta
 from fedunlearn.uploads import load_uploads
 from simulations import run_local
 from simulations.frontier import matched_forgetting, plot_frontier, summary_markdown
@@ -67,13 +67,10 @@ def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
     return grids
 
 
-def apply_delta(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
+def merged_model(model: torch.nn.Module, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A copy of ``model`` with θ ← θ₀ + Δ."""
     merged = copy.deepcopy(model)
-    params = dict(merged.named_parameters())
-    with torch.no_grad():
-        for key, value in delta.items():
-            params[key] += value.to(params[key].dtype)
+    merged.load_state_dict(apply_delta(model.state_dict(), delta))
     return merged
 
 
@@ -89,6 +86,10 @@ class FlowerUploads:
     reference_truth_ratios: list[float] | None
     updates: list[ClientUpdate]
 
+    def merged(self, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """θ₀ + Δ as a model."""
+        return merged_model(self.run_model.model, delta)
+
     def evaluate(
         self,
         name: str,
@@ -96,12 +97,21 @@ class FlowerUploads:
         splits: dict[str, list[dict]] | None = None,
         with_reference: bool = True,
     ) -> dict[str, Any]:
-        """Metrics of θ₀ + Δ on the run's splits (or ``splits``); forget quality only when
+        """Metrics of θ₀ + Δ (see :meth:`evaluate_merged`)."""
+        return self.evaluate_merged(name, self.merged(delta), splits, with_reference)
+
+    def evaluate_merged(
+        self,
+        name: str,
+        model: torch.nn.Module,
+        splits: dict[str, list[dict]] | None = None,
+        with_reference: bool = True,
+    ) -> dict[str, Any]:
+        """Metrics of ``model`` on the run's splits (or ``splits``); forget quality only when
         the forget split is the one the reference truth ratios were measured on."""
-        merged = apply_delta(self.run_model.model, delta)
         reference = self.reference_truth_ratios if with_reference else None
         return evaluate_model(
-            name, merged, self.run_model.tokenizer, splits or self.splits, self.settings, reference
+            name, model, self.run_model.tokenizer, splits or self.splits, self.settings, reference
         )
 
 

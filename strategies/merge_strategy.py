@@ -17,7 +17,7 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from clients.messages import decode_client_reply
-from fedunlearn.merging import ClientUpdate, MergeResult
+from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
 from fedunlearn.scenarios import ClientAssignment
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 
@@ -188,11 +188,7 @@ class MergeStrategy(Strategy):
             )
         self.merge_seconds = time.perf_counter() - started
         self.last_merge = result
-        state = self.global_arrays.to_torch_state_dict()
-        for key, delta in result.delta.items():
-            if key not in state:
-                raise KeyError(f"merge produced a delta for {key!r}, which the model does not have")
-            state[key] = (state[key].float() + delta.float()).to(state[key].dtype)
+        state = apply_delta(self.global_arrays.to_torch_state_dict(), result.delta)
         metrics = MetricRecord(
             {
                 "num-updates": len(updates),

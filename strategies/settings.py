@@ -171,9 +171,12 @@ class RunSettings:
                     f"wherever the SuperLink runs), got {self.output_dir!r}"
                 )
             return path
-        stamp = time.strftime("%Y%m%d-%H%M%S")
+        return (Path.cwd() / "outputs" / self.output_name(time.strftime("%Y%m%d-%H%M%S"))).resolve()
+
+    def output_name(self, stamp: str) -> str:
+        """``<scenario>-<strategy>-<stamp>``, the strategy made safe for a folder name."""
         strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.strategy)
-        return (Path.cwd() / "outputs" / f"{self.scenario}-{strategy}-{stamp}").resolve()
+        return f"{self.scenario}-{strategy}-{stamp}"
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

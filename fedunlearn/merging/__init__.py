@@ -5,7 +5,15 @@ the module here is all it takes to make it available.
 """
 
 from .averaging import avg_merge, sum_merge
-from .base import MERGES, ClientUpdate, MergeResult, get_merge, register_merge, validate_updates
+from .base import (
+    MERGES,
+    ClientUpdate,
+    MergeResult,
+    apply_delta,
+    get_merge,
+    register_merge,
+    validate_updates,
+)
 from .firm import firm_merge, normalize_and_sparsify
 from .fulm import client_similarity, cluster_clients, fulm_mean_merge, fulm_merge
 from .projection import fisher_damage, project_retention
@@ -15,6 +23,7 @@ __all__ = [
     "MERGES",
     "ClientUpdate",
     "MergeResult",
+    "apply_delta",
     "avg_merge",
     "client_similarity",
     "cluster_clients",

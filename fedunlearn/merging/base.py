@@ -9,7 +9,7 @@ needs an import line in ``fedunlearn/merging/__init__.py`` to become available t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -186,3 +186,18 @@ def get_merge(name: str) -> MergeFn:
         return MERGES[name]
     except KeyError:
         raise KeyError(f"unknown merge {name!r}; available: {sorted(MERGES)}") from None
+
+
+def apply_delta(
+    state: Mapping[str, torch.Tensor], delta: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """New weights θ = θ₀ + Δ (summed in float32, stored in each weight's dtype).
+
+    ``state`` is a model state dict; every key of ``delta`` must be one of its keys.
+    """
+    out = dict(state)
+    for key, value in delta.items():
+        if key not in out:
+            raise KeyError(f"merge produced a delta for {key!r}, which the model does not have")
+        out[key] = (out[key].float() + value.float()).to(out[key].dtype)
+    return out

@@ -36,10 +36,6 @@ class LoraSettings:
     target_modules: tuple[str, ...] = ALL_LLAMA_PROJECTIONS
     dropout: float = 0.0
 
-    @property
-    def scaling(self) -> float:
-        return self.alpha / self.rank
-
 
 @dataclass(frozen=True)
 class LocalTrainSettings:
