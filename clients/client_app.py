@@ -8,7 +8,9 @@ Fisher diagonal and its metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import time
 
 import torch
@@ -16,11 +18,12 @@ from flwr.app import ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.messages import encode_client_reply, rebuild_model, rebuild_tokenizer
-from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
-from fedunlearn.benchmarks.tofu_files import load_tofu_files
 from fedunlearn.fisher import empirical_fisher_diagonal
-from fedunlearn.qa_format import encode_qa
-from fedunlearn.scenarios import all_records
+from fedunlearn.models.quantization import quantize_4bit
+from fedunlearn.objectives import objective_requirements
+from fedunlearn.objectives.refusal import refusal_answers
+from fedunlearn.qa_format import encode_qa, encode_record
+from fedunlearn.scenarios import Scenario, ScenarioParams, get_scenario
 from fedunlearn.training.lora import (
     LocalTrainSettings,
     LoraSettings,
@@ -34,31 +37,40 @@ ROLES = ("forget", "retain")
 
 
 @functools.lru_cache(maxsize=4)
-def _benchmark(seed: int, num_authors: int, qa_per_author: int, data_path: str) -> TofuData:
-    if data_path:
-        return load_tofu_files(data_path)
-    return generate_tofu(seed, num_authors, qa_per_author)
+def _scenario(name: str, params: ScenarioParams) -> Scenario:
+    return get_scenario(name)(params)
 
 
-def client_records(config: ConfigRecord, context: Context) -> list[dict]:
-    """This client's own QA records (its shard of its local copy of the benchmark).
+def client_scenario(config: ConfigRecord, context: Context) -> Scenario:
+    """The scenario rebuilt from the message (the client's local copy of the benchmark).
 
     A ``data-path`` in the node config (deployment: each machine's own files) takes
     precedence over the one in the message.
     """
-    data_path = str(context.node_config.get("data-path", config.get("data-path", "")))
-    data = _benchmark(
-        int(config["data-seed"]),
-        int(config["num-authors"]),
-        int(config["qa-per-author"]),
-        data_path,
-    )
-    records = all_records(data)
-    indices = [int(i) for i in config["indices"]]
+    params = ScenarioParams(**json.loads(str(config["scenario-params-json"])))
+    data_path = str(context.node_config.get("data-path", params.data_path))
+    return _scenario(str(config["scenario"]), dataclasses.replace(params, data_path=data_path))
+
+
+def shard(records: list[dict], indices: list[int], what: str) -> list[dict]:
+    """``records[i]`` for every index, with a clear error for indices out of range."""
     bad = [i for i in indices if not 0 <= i < len(records)]
     if bad:
-        raise IndexError(f"shard indices {bad[:5]} are outside the {len(records)} records")
+        raise IndexError(f"{what} indices {bad[:5]} are outside the {len(records)} records")
     return [records[i] for i in indices]
+
+
+def lora_settings(config: ConfigRecord) -> LoraSettings:
+    """LoRA rank, alpha, target module names and (optionally) layer indices."""
+    layers = str(config["lora-layers"]).strip()
+    return LoraSettings(
+        rank=int(config["lora-rank"]),
+        alpha=float(config["lora-alpha"]),
+        target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
+        layers_to_transform=(
+            None if layers in ("", "all") else tuple(int(x) for x in layers.split(","))
+        ),
+    )
 
 
 @app.train()
@@ -72,13 +84,27 @@ def train(msg: Message, context: Context) -> Message:
     started = time.perf_counter()
     model = rebuild_model(config, msg.content["arrays"])
     tokenizer = rebuild_tokenizer(config)
-    records = client_records(config, context)
-    examples = [encode_qa(tokenizer, r["question"], r["answer"]) for r in records]
-    lora = LoraSettings(
-        rank=int(config["lora-rank"]),
-        alpha=float(config["lora-alpha"]),
-        target_modules=tuple(str(config["lora-targets"]).split(",")),
-    )
+    records = client_scenario(config, context).records()
+    own = shard(records, [int(i) for i in config["indices"]], "shard")
+    examples = [encode_record(tokenizer, r) for r in own]
+    objective = str(config["objective"]) if role == "forget" else "nll"
+    needs = objective_requirements(objective)
+    retain_examples = None
+    if needs.needs_retain:
+        local = shard(records, [int(i) for i in config["retain-indices"]], "local retain")
+        retain_examples = [encode_record(tokenizer, r) for r in local] or None
+    alternate_examples = None
+    if needs.needs_alternate:
+        if any("question" not in r for r in own):
+            raise ValueError(
+                f"node {context.node_id}: objective {objective!r} needs question/answer "
+                "records (it prefers a refusal answer), but this shard holds plain text"
+            )
+        refusals = refusal_answers([r["question"] for r in own], int(config["seed"]))
+        alternate_examples = [
+            encode_qa(tokenizer, r["question"], a) for r, a in zip(own, refusals, strict=True)
+        ]
+    lora = lora_settings(config)
     names = adapted_parameter_names(model, lora)
     t_fisher = time.perf_counter()
     fisher = empirical_fisher_diagonal(
@@ -89,16 +115,25 @@ def train(msg: Message, context: Context) -> Message:
         num_batches=int(config["fisher-batches"]),
     )
     fisher_seconds = time.perf_counter() - t_fisher
-    objective = str(config["objective"]) if role == "forget" else "nll"
+    if bool(config.get("load-in-4bit", False)):
+        # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
+        model = quantize_4bit(model)
     settings = LocalTrainSettings(
         objective=objective,
         steps=int(config["steps"]),
         lr=float(config["lr"]),
         batch_size=int(config["batch-size"]),
         seed=int(config["seed"]),
+        options=json.loads(str(config["objective-options-json"])),
     )
     task_vector, stats = train_lora_task_vector(
-        model, examples, pad_token_id=tokenizer.pad_token_id, lora=lora, train=settings
+        model,
+        examples,
+        pad_token_id=tokenizer.pad_token_id,
+        lora=lora,
+        train=settings,
+        retain_examples=retain_examples,
+        alternate_examples=alternate_examples,
     )
     tv_norm = torch.sqrt(sum((v.double() ** 2).sum() for v in task_vector.values())).item()
     upload = sum(v.numel() * v.element_size() for v in task_vector.values())

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from fedunlearn.merging import ClientUpdate
+from fedunlearn.models.llama import resolve_dtype
 
 
 def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
@@ -29,11 +30,21 @@ def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -
     }
 
 
+def wire_state(model: torch.nn.Module) -> ArrayRecord:
+    """The model's weights as float32 CPU arrays (Flower's arrays have no bfloat16; clients
+    cast back to their ``dtype``)."""
+    return ArrayRecord(
+        {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    )
+
+
 def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
-    """Model skeleton from ``model-config-json`` filled with the received weights."""
+    """Model skeleton from ``model-config-json`` filled with the received weights, in the
+    run's ``dtype`` (auto: bfloat16 on CUDA, float32 on CPU), on CUDA when present."""
     spec = json.loads(str(config["model-config-json"]))
     model_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32)
+    dtype = resolve_dtype(str(config.get("dtype", "float32")))
+    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
     state = arrays.to_torch_state_dict()
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [k for k in missing if k not in _tied_keys(model)]
@@ -42,6 +53,8 @@ def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
             f"received weights do not fit the model: missing {real_missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
+    if torch.cuda.is_available():
+        model.to("cuda")
     model.eval()
     return model
 

@@ -37,3 +37,27 @@ def encode_qa(
     ids = (prompt_ids + answer_ids)[:max_length]
     labels = ([-100] * len(prompt_ids) + answer_ids)[:max_length]
     return ids, labels
+
+
+def encode_text(
+    tokenizer: PreTrainedTokenizerBase, text: str, max_length: int = 512
+) -> tuple[list[int], list[int]]:
+    """Token ids and labels for plain text (passages, documents): every token plus the final
+    EOS is a target. Texts longer than ``max_length`` tokens are truncated from the right."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_length - 1]
+    ids = ids + [tokenizer.eos_token_id]
+    return ids, list(ids)
+
+
+def encode_record(
+    tokenizer: PreTrainedTokenizerBase, record: dict, max_length: int = 512
+) -> tuple[list[int], list[int]]:
+    """A benchmark record as a training example: QA records (``question`` + ``answer``) through
+    :func:`encode_qa`, text records (``text``) through :func:`encode_text`."""
+    if "question" in record and "answer" in record and isinstance(record["answer"], str):
+        return encode_qa(tokenizer, record["question"], record["answer"], max_length)
+    if "text" in record:
+        return encode_text(tokenizer, record["text"], max_length)
+    raise ValueError(
+        f"record with keys {sorted(record)} is neither QA (question, answer) nor text (text)"
+    )

@@ -47,8 +47,11 @@ def matched_forgetting(
                     "anchor_utility": a["metrics"][utility_metric],
                     "baseline_utility": best["metrics"][utility_metric],
                     "utility_diff": a["metrics"][utility_metric] - best["metrics"][utility_metric],
-                    "retain_rouge_diff": a["metrics"]["retain_rouge_l"]
-                    - best["metrics"]["retain_rouge_l"],
+                    "retain_rouge_diff": (
+                        a["metrics"]["retain_rouge_l"] - best["metrics"]["retain_rouge_l"]
+                        if "retain_rouge_l" in a["metrics"]
+                        else None
+                    ),
                 }
             )
     return rows
@@ -58,16 +61,23 @@ def _fmt(value: Any) -> str:
     return f"{value:.3f}" if isinstance(value, float) else str(value)
 
 
+def _signed(value: float | None) -> str:
+    return "–" if value is None else f"{value:+.3f}"
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """Markdown tables: every sweep point, then the matched-forgetting comparison."""
-    cols = (
-        "forget_rouge_l",
-        "forget_exact_match",
-        "forget_quality",
-        "model_utility",
-        "retain_rouge_l",
-        "real_authors_rouge_l",
-        "world_facts_rouge_l",
+    cols = tuple(
+        summary.get("metric_names")
+        or (
+            "forget_rouge_l",
+            "forget_exact_match",
+            "forget_quality",
+            "model_utility",
+            "retain_rouge_l",
+            "real_authors_rouge_l",
+            "world_facts_rouge_l",
+        )
     )
     lines = [
         "| strategy | γ | ‖Δ‖ | " + " | ".join(cols) + " |",
@@ -86,7 +96,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if matched:
         lines += [
             "",
-            "Matched forgetting (nearest baseline point by forget ROUGE-L):",
+            "Matched forgetting (nearest baseline point by "
+            f"{summary.get('forget_metric', 'forget_rouge_l')}):",
             "",
             "| FIRM γ | baseline | its γ | forget gap | utility FIRM | utility baseline "
             "| Δ utility | Δ retain ROUGE-L |",
@@ -97,15 +108,22 @@ def summary_markdown(summary: dict[str, Any]) -> str:
                 f"| {r['anchor_gamma']:g} | {r['baseline']} | {r['baseline_gamma']:g} | "
                 f"{r['forget_gap']:.3f} | {r['anchor_utility']:.3f} | "
                 f"{r['baseline_utility']:.3f} | {r['utility_diff']:+.3f} | "
-                f"{r['retain_rouge_diff']:+.3f} |"
+                f"{_signed(r['retain_rouge_diff'])} |"
             )
     return "\n".join(lines) + "\n"
 
 
 def plot_frontier(summary: dict[str, Any], path: Path) -> Path:
-    """Two panels: forget ROUGE-L against model utility and against retain ROUGE-L."""
+    """Two panels: the forget metric against the utility metric, and against a second
+    retained-knowledge metric (TOFU: retain ROUGE-L)."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    panels = (("forget_rouge_l", "model_utility"), ("forget_rouge_l", "retain_rouge_l"))
+    forget = summary.get("forget_metric", "forget_rouge_l")
+    utility = summary.get("utility_metric", "model_utility")
+    names = summary.get("metric_names") or ["retain_rouge_l"]
+    second = "retain_rouge_l" if "retain_rouge_l" in names else names[-1]
+    if second in (forget, utility):
+        second = next((n for n in names if n not in (forget, utility)), utility)
+    panels = ((forget, utility), (forget, second))
     strategies = sorted({p["strategy"] for p in summary["points"]})
     for ax, (x_key, y_key) in zip(axes, panels, strict=True):
         for name in strategies:

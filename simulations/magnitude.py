@@ -25,7 +25,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fedunlearn.merging import get_merge  # noqa: E402
-from fedunlearn.scenarios import all_records  # noqa: E402
 from simulations import run_local  # noqa: E402
 from simulations.sweep import run_and_load_uploads  # noqa: E402
 from strategies.results import json_safe  # noqa: E402
@@ -41,12 +40,12 @@ def study(run_config: str, gammas: dict[str, float], output_dir: Path) -> dict[s
     flower.updates.sort(key=lambda u: position[str(u.node_id)])  # domain 0, 1, 2, 3
     forget = [u for u in flower.updates if u.role == "forget"]
     retain = [u for u in flower.updates if u.role == "retain"]
-    records = all_records(flower.run_model.data)
+    records = flower.run_model.scenario.records()
     indices = {str(a["node_id"]): a["indices"] for a in flower.results["assignments"]}
     rows = []
     for n in range(1, len(forget) + 1):
         targeted = [records[i] for u in forget[:n] for i in indices[str(u.node_id)]]
-        splits = {**flower.splits, "forget": targeted}
+        splits = {**flower.run_model.scenario.evaluation_splits(), "forget": targeted}
         for method, gamma in gammas.items():
             result = get_merge(method)(forget[:n] + retain, gamma=gamma)
             metrics = flower.evaluate(f"n={n} {method}", result.delta, splits, with_reference=False)

@@ -25,7 +25,6 @@ from typing import Any
 
 from fedunlearn.evaluation import evaluate_split
 from fedunlearn.merging import firm_merge
-from fedunlearn.scenarios import all_records
 from simulations import run_local
 from simulations.sweep import FlowerUploads, run_and_load_uploads
 from strategies.results import json_safe
@@ -36,7 +35,7 @@ BUDGET_FRACTION = 0.3
 
 def _client_records(flower: FlowerUploads, node_id: str) -> list[dict]:
     assignment = next(a for a in flower.results["assignments"] if str(a["node_id"]) == node_id)
-    records = all_records(flower.run_model.data)
+    records = flower.run_model.scenario.records()
     return [records[i] for i in assignment["indices"]]
 
 

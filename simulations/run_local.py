@@ -137,6 +137,7 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     The ServerApp then finds it in the cache. Runs with ``model-path`` skip this.
     """
     from fedunlearn.models.substrate import ensure_substrate
+    from fedunlearn.scenarios import get_scenario
 
     if settings.model_path:
         return
@@ -147,10 +148,13 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     )
     folder = ensure_substrate(settings.substrate_config(), cache_dir.resolve())
     info = json.loads((folder / "build_info.json").read_text())
-    print(
-        f"substrate ready: {folder.name}, author recall {info['author_recall_exact_match']:.3f}",
-        flush=True,
+    scenario = get_scenario(settings.scenario)
+    knows = ", ".join(
+        f"{k} {v:.3f}"
+        for k, v in info.items()
+        if k in scenario.summary_metrics or k.endswith("_exact_match")
     )
+    print(f"substrate ready: {folder.name} ({knows})", flush=True)
 
 
 def run(
@@ -232,10 +236,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 1
     data = json.loads(results.read_text())
+    from fedunlearn.scenarios import get_scenario
     from strategies.results import format_summary_table
-    from strategies.server_app import REPORTED_METRICS
 
-    print(format_summary_table(data["metrics"], REPORTED_METRICS))
+    scenario = get_scenario(data["config"]["scenario"])
+    print(format_summary_table(data["metrics"], scenario.summary_metrics))
     print(f"\nresults: {results}")
     return 0
 

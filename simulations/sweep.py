@@ -32,7 +32,7 @@ from simulations import run_local
 from simulations.frontier import matched_forgetting, plot_frontier, summary_markdown
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 from strategies.results import json_safe
-from strategies.run_setup import RunModel, evaluate_model, evaluation_splits, load_run_model
+from strategies.run_setup import RunModel, evaluate_model, load_run_model
 from strategies.settings import RunSettings
 
 DEFAULT_GAMMAS = {
@@ -43,7 +43,7 @@ DEFAULT_GAMMAS = {
     "sum": [0.2, 0.4, 0.6, 0.8, 1.0, 1.5],
     "avg": [1.0, 2.0, 4.0, 6.0, 8.0, 12.0],
 }
-POINT_METRICS = (
+TOFU_POINT_METRICS = (
     "forget_rouge_l",
     "forget_exact_match",
     "forget_truth_ratio",
@@ -54,6 +54,14 @@ POINT_METRICS = (
     "real_authors_rouge_l",
     "world_facts_rouge_l",
 )
+
+
+def point_metrics(run_model: RunModel) -> tuple[str, ...]:
+    """The scalar metrics a sweep point records for this scenario."""
+    scenario = run_model.scenario
+    if scenario.name == "tofu":
+        return TOFU_POINT_METRICS
+    return tuple(dict.fromkeys((*scenario.summary_metrics, scenario.utility_metric)))
 
 
 def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
@@ -82,8 +90,7 @@ class FlowerUploads:
     results: dict[str, Any]
     results_path: Path
     run_model: RunModel
-    splits: dict[str, list[dict]]
-    reference_truth_ratios: list[float] | None
+    reference_metrics: dict[str, Any] | None
     updates: list[ClientUpdate]
 
     def merged(self, delta: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -107,12 +114,11 @@ class FlowerUploads:
         splits: dict[str, list[dict]] | None = None,
         with_reference: bool = True,
     ) -> dict[str, Any]:
-        """Metrics of ``model`` on the run's splits (or ``splits``); forget quality only when
-        the forget split is the one the reference truth ratios were measured on."""
-        reference = self.reference_truth_ratios if with_reference else None
-        return evaluate_model(
-            name, model, self.run_model.tokenizer, splits or self.splits, self.settings, reference
-        )
+        """Metrics of ``model`` as the server measures them; TOFU ``splits`` replace the
+        scenario's (then without forget quality: the reference saw the scenario's forget set)."""
+        reference = self.reference_metrics if with_reference else None
+        extra = {"splits": splits} if splits is not None else {}
+        return evaluate_model(name, model, self.run_model, self.settings, reference, **extra)
 
 
 def run_and_load_uploads(
@@ -128,15 +134,12 @@ def run_and_load_uploads(
         results_path = run_local.run(config, output_dir=output_dir)
     results = json.loads(results_path.read_text())
     settings = RunSettings.from_run_config(results["config"])  # exactly what the run used
-    run_model = load_run_model(settings, show_progress=False)
-    reference = results["metrics"].get("reference")
     return FlowerUploads(
         settings=settings,
         results=results,
         results_path=results_path,
-        run_model=run_model,
-        splits=evaluation_splits(run_model.data, settings),
-        reference_truth_ratios=reference["forget_truth_ratios"] if reference else None,
+        run_model=load_run_model(settings, show_progress=False),
+        reference_metrics=results["metrics"].get("reference"),
         updates=load_uploads(output_dir / "uploads"),
     )
 
@@ -154,6 +157,8 @@ def sweep(
     flower = run_and_load_uploads(run_config, output_dir / "flower-run", reuse=reuse_run)
     settings, updates = flower.settings, flower.updates
     run_results, reference = flower.results, flower.results["metrics"].get("reference")
+    scenario = flower.run_model.scenario
+    metric_names = point_metrics(flower.run_model)
     points = []
     (output_dir / "points").mkdir(exist_ok=True)
     jobs = [(s, g) for s in strategies for g in grids[s]]
@@ -171,7 +176,7 @@ def sweep(
             "merge_kwargs": kwargs,
             "merge_seconds": merge_seconds,
             "norm_final": result.report.get("norm_final"),
-            "metrics": {k: metrics.get(k) for k in POINT_METRICS},
+            "metrics": {k: metrics.get(k) for k in metric_names},
             "how": "re-merge of the uploads saved by one Flower simulation",
         }
         (output_dir / "points" / f"{strategy}-g{gamma:g}.json").write_text(
@@ -180,10 +185,19 @@ def sweep(
         points.append(point)
     summary = {
         "flower_run": str(flower.results_path),
-        "before": {k: run_results["metrics"]["before"].get(k) for k in POINT_METRICS},
-        "reference": {k: reference.get(k) for k in POINT_METRICS} if reference else None,
+        "scenario": scenario.name,
+        "forget_metric": scenario.forget_metric,
+        "utility_metric": scenario.utility_metric,
+        "metric_names": list(metric_names),
+        "before": {k: run_results["metrics"]["before"].get(k) for k in metric_names},
+        "reference": {k: reference.get(k) for k in metric_names} if reference else None,
         "points": points,
-        "matched_forgetting": matched_forgetting(points, anchor="firm"),
+        "matched_forgetting": matched_forgetting(
+            points,
+            anchor="firm",
+            forget_metric=scenario.forget_metric,
+            utility_metric=scenario.utility_metric,
+        ),
     }
     (output_dir / "summary.json").write_text(json.dumps(json_safe(summary), indent=2))
     (output_dir / "summary.md").write_text(summary_markdown(summary))

@@ -111,6 +111,7 @@ class MergeStrategy(Strategy):
                     "role": assignment.role,
                     "domain": assignment.domain,
                     "indices": list(assignment.indices),
+                    "retain-indices": list(assignment.retain_indices),
                     "seed": int(self.client_config.get("seed", 0)) * 1000 + position,
                 }
             )

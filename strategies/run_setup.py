@@ -6,45 +6,48 @@ uploads and must evaluate exactly like the server does).
 
 from __future__ import annotations
 
-import random
 import time
 from dataclasses import dataclass, field
 from logging import INFO
 from pathlib import Path
 from typing import Any
 
+import torch
 from flwr.common.logger import log
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fedunlearn.benchmarks.tofu import TofuData, generate_tofu
-from fedunlearn.benchmarks.tofu_files import load_tofu_files
-from fedunlearn.evaluation import evaluate_tofu
-from fedunlearn.models.llama import load_local_causal_lm
+from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.models.substrate import load_substrate
+from fedunlearn.scenarios import Scenario, get_scenario
 from strategies.settings import RunSettings
 
 
 @dataclass
 class RunModel:
-    """The model to unlearn, its tokenizer, the benchmark data and (if any) the reference."""
+    """The model to unlearn, its tokenizer, the scenario and (if any) the reference."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
-    data: TofuData
+    scenario: Scenario
     reference: PreTrainedModel | None = None
     info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def data(self) -> Any:
+        """The scenario's benchmark data."""
+        return self.scenario.data
 
 
 def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunModel:
     """A local checkpoint (``model-path``) or the built-in substrate (built when missing)."""
+    scenario = get_scenario(settings.scenario)(settings.scenario_params())
     if settings.model_path:
-        model, tokenizer = load_local_causal_lm(settings.model_path)
-        data = (
-            load_tofu_files(settings.data_path)
-            if settings.data_path
-            else generate_tofu(settings.seed, settings.num_authors, settings.qa_per_author)
-        )
-        return RunModel(model, tokenizer, data, None, {"model_path": settings.model_path})
+        dtype = resolve_dtype(settings.dtype)
+        model, tokenizer = load_local_causal_lm(settings.model_path, dtype=dtype)
+        if torch.cuda.is_available():
+            model.to("cuda")
+        info = {"model_path": settings.model_path, "dtype": str(dtype).removeprefix("torch.")}
+        return RunModel(model, tokenizer, scenario, None, info)
     substrate = load_substrate(
         settings.substrate_config(),
         Path(settings.cache_dir).expanduser() if settings.cache_dir else None,
@@ -53,43 +56,31 @@ def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunM
     return RunModel(
         substrate.model,
         substrate.tokenizer,
-        substrate.data,
+        scenario,
         substrate.reference_model,
         {"folder": str(substrate.folder), **substrate.info},
     )
 
 
-def evaluation_splits(data: TofuData, settings: RunSettings) -> dict[str, list[dict]]:
-    """Forget split, a seeded retain sample, and the two never-forgotten sets."""
-    retain = data.retain_split(settings.forget_percent)
-    rng = random.Random(settings.seed + 7)
-    sample = rng.sample(retain, min(settings.eval_retain_samples, len(retain)))
-    return {
-        "forget": data.forget_split(settings.forget_percent),
-        "retain": sample,
-        "real_authors": data.real_authors,
-        "world_facts": data.world_facts,
-    }
-
-
 def evaluate_model(
     name: str,
     model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    splits: dict[str, list[dict]],
+    run_model: RunModel,
     settings: RunSettings,
-    reference_truth_ratios: list[float] | None = None,
+    reference_metrics: dict[str, Any] | None = None,
+    **kwargs: Any,
 ) -> dict[str, Any]:
-    """SPEC §5.1 metrics of ``model`` (with three sample generations per split)."""
+    """The scenario's metrics of ``model`` (with three sample generations per split);
+    ``kwargs`` go to :meth:`Scenario.evaluate` (e.g. custom TOFU ``splits``)."""
     started = time.perf_counter()
-    metrics = evaluate_tofu(
+    metrics = run_model.scenario.evaluate(
         model,
-        tokenizer,
-        splits,
-        reference_truth_ratios=reference_truth_ratios,
+        run_model.tokenizer,
+        reference_metrics=reference_metrics,
         batch_size=settings.eval_batch_size,
         max_new_tokens=settings.eval_max_new_tokens,
         n_samples=3,
+        **kwargs,
     )
     log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
     return metrics

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import time
@@ -10,29 +11,18 @@ from logging import INFO
 from typing import Any
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context
+from flwr.app import ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from clients.messages import describe_model
-from fedunlearn.scenarios import tofu_assignments
+from clients.messages import describe_model, wire_state
 from fedunlearn.uploads import save_uploads
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import format_summary_table, json_safe
-from strategies.run_setup import evaluate_model, evaluation_splits, load_run_model
+from strategies.run_setup import evaluate_model, load_run_model
 from strategies.settings import RunSettings
 
 app = ServerApp()
-
-REPORTED_METRICS = (
-    "forget_rouge_l",
-    "forget_exact_match",
-    "forget_truth_ratio",
-    "forget_quality",
-    "model_utility",
-    "retain_rouge_l",
-    "retain_exact_match",
-)
 
 
 @app.main()
@@ -48,48 +38,23 @@ def main(grid: Grid, context: Context) -> None:
 
     t0 = time.perf_counter()
     run_model = load_run_model(settings)
-    model, tokenizer, data = run_model.model, run_model.tokenizer, run_model.data
+    model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     reference = run_model.reference
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
 
-    splits = evaluation_splits(data, settings)
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
-    reference_trs = None
     if reference is not None:
-        metrics["reference"] = evaluate_model("reference", reference, tokenizer, splits, settings)
-        reference_trs = metrics["reference"]["forget_truth_ratios"]
-        metrics["reference"]["forget_quality"] = 1.0 if reference_trs else None
-    metrics["before"] = evaluate_model(
-        "original", model, tokenizer, splits, settings, reference_trs
-    )
+        metrics["reference"] = evaluate_model("reference", reference, run_model, settings)
+    reference_metrics = metrics.get("reference")
+    metrics["before"] = evaluate_model("original", model, run_model, settings, reference_metrics)
     phases["evaluation_before"] = time.perf_counter() - t0
 
-    assignments = tofu_assignments(
-        data,
-        forget_percent=settings.forget_percent,
-        num_forget_clients=settings.num_forget_clients,
-        num_retain_clients=settings.num_retain_clients,
-        retain_samples=settings.retain_samples,
-        num_forget_domains=settings.num_forget_domains,
-        retain_layout=settings.retain_layout,
-        seed=settings.seed,
-    )
+    assignments = scenario.assignments()
     client_config = {
         **describe_model(model, tokenizer),
-        "objective": settings.objective,
-        "batch-size": settings.batch_size,
-        "lora-rank": settings.lora_rank,
-        "lora-alpha": settings.lora_alpha,
-        "lora-targets": settings.lora_targets,
-        "fisher-batches": settings.fisher_batches,
-        "seed": settings.seed,
-        "data-seed": settings.seed,
-        "num-authors": settings.num_authors,
-        "qa-per-author": settings.qa_per_author,
-        "data-path": settings.data_path,
-        "client-threads": settings.client_threads,
+        **client_settings(settings),
     }
     strategy = MergeStrategy(
         merge=settings.strategy,
@@ -105,7 +70,7 @@ def main(grid: Grid, context: Context) -> None:
     t0 = time.perf_counter()
     result = strategy.start(
         grid=grid,
-        initial_arrays=ArrayRecord(model.state_dict()),
+        initial_arrays=wire_state(model),
         num_rounds=settings.num_rounds,
         timeout=settings.round_timeout,
         train_config=ConfigRecord(),
@@ -116,7 +81,7 @@ def main(grid: Grid, context: Context) -> None:
     unlearned.load_state_dict(result.arrays.to_torch_state_dict())
     t0 = time.perf_counter()
     metrics["after"] = evaluate_model(
-        "unlearned", unlearned, tokenizer, splits, settings, reference_trs
+        "unlearned", unlearned, run_model, settings, reference_metrics
     )
     phases["evaluation_after"] = time.perf_counter() - t0
     phases["total"] = time.perf_counter() - run_started
@@ -131,7 +96,13 @@ def main(grid: Grid, context: Context) -> None:
         },
         "substrate": run_model.info,
         "assignments": [
-            {"node_id": node_id, "role": a.role, "domain": a.domain, "indices": list(a.indices)}
+            {
+                "node_id": node_id,
+                "role": a.role,
+                "domain": a.domain,
+                "indices": list(a.indices),
+                "retain_indices": list(a.retain_indices),
+            }
             for node_id, a in strategy.node_assignment.items()
         ],
         "seconds": phases,
@@ -142,12 +113,29 @@ def main(grid: Grid, context: Context) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=2))
     tmp.replace(path)
-    for line in format_summary_table(metrics, REPORTED_METRICS).splitlines():
+    for line in format_summary_table(metrics, scenario.summary_metrics).splitlines():
         log(INFO, "%s", line)
-    for before, after in zip(
-        metrics["before"]["samples"]["forget"], metrics["after"]["samples"]["forget"], strict=True
-    ):
-        log(INFO, "forget Q: %s", before["question"])
-        log(INFO, "   before: %s", before["generation"])
-        log(INFO, "   after:  %s", after["generation"])
+    for line in scenario.sample_lines(metrics["before"], metrics["after"]):
+        log(INFO, "%s", line)
     log(INFO, "results written to %s", path)
+
+
+def client_settings(settings: RunSettings) -> dict[str, Any]:
+    """What every client needs besides the model: scenario parameters (to rebuild its own
+    data shard locally), training and LoRA settings, objective options."""
+    return {
+        "scenario": settings.scenario,
+        "scenario-params-json": json.dumps(dataclasses.asdict(settings.scenario_params())),
+        "objective": settings.objective,
+        "objective-options-json": json.dumps(settings.objective_options()),
+        "batch-size": settings.batch_size,
+        "lora-rank": settings.lora_rank,
+        "lora-alpha": settings.lora_alpha,
+        "lora-targets": settings.lora_targets,
+        "lora-layers": settings.lora_layers,
+        "load-in-4bit": settings.load_in_4bit,
+        "dtype": settings.dtype,
+        "fisher-batches": settings.fisher_batches,
+        "seed": settings.seed,
+        "client-threads": settings.client_threads,
+    }

@@ -11,7 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from fedunlearn.models.substrate import SubstrateConfig
-from fedunlearn.scenarios import RETAIN_LAYOUTS
+from fedunlearn.objectives import OBJECTIVES, objective_requirements
+from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -26,14 +29,18 @@ class RunSettings:
     num_authors: int = 200
     qa_per_author: int = 10
     forget_percent: float = 1.0
-    num_forget_clients: int = 5
+    forget_domains: str = "bio,cyber"
+    num_forget_clients: int = 0  # 0 = the scenario's default
     num_retain_clients: int = 1
     retain_samples: int = 200
+    local_retain_samples: int = 32
     num_forget_domains: int = 1
     retain_layout: str = "random"
     data_path: str = ""
     # model
     model_path: str = ""
+    dtype: str = "auto"
+    load_in_4bit: bool = False
     cache_dir: str = ""
     # built-in substrate (ignored with model-path)
     substrate_hidden_size: int = 192
@@ -43,16 +50,30 @@ class RunSettings:
     substrate_finetune_epochs: int = 16
     substrate_background_documents: int = 1500
     # local training
-    objective: str = "ga"
-    forget_steps: int = 12
-    forget_lr: float = 1e-3
+    objective: str = "auto"
+    forget_steps: int = 0  # 0 = the scenario's default
+    forget_lr: float = 0.0  # 0 = the scenario's default
     retain_steps: int = 40
     retain_lr: float = 1e-3
     batch_size: int = 8
     lora_rank: int = 16
     lora_alpha: float = 32.0
-    lora_targets: str = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
+    lora_targets: str = "auto"
+    lora_layers: str = "auto"
     fisher_batches: int = 20
+    # objective options (SPEC §6); each objective reads its own
+    graddiff_alpha: float = 1.0
+    npo_beta: float = 0.1
+    simnpo_beta: float = 4.5
+    simnpo_delta: float = 0.0
+    dpo_beta: float = 0.1
+    undial_beta: float = 10.0
+    satimp_beta1: float = 5.0
+    satimp_beta2: float = 1.0
+    kl_alpha: float = 1.0
+    rmu_layer: int = -1  # -1 = the scenario's default
+    rmu_steering: float = 0.0  # 0 = the scenario's default
+    rmu_alpha: float = 0.0  # 0 = the scenario's default
     client_threads: int = 1
     # merge (FIRM)
     gamma: float = 8.0
@@ -96,13 +117,39 @@ class RunSettings:
             else:
                 raise TypeError(f"run-config key {key!r} must be {kind.__name__}, got {raw!r}")
             values[field.name] = value
-        settings = cls(**values)
+        settings = cls(**values).resolved()
         settings.validate()
         return settings
 
+    def resolved(self) -> RunSettings:
+        """A copy where every key left on its "scenario default" value ("auto", 0, -1) takes
+        the scenario's default (``Scenario.defaults``); explicit values are kept."""
+        if self.scenario not in SCENARIOS:
+            raise ValueError(
+                f"scenario {self.scenario!r} is not available (available: "
+                f"{', '.join(sorted(SCENARIOS))})"
+            )
+        unset = {f.name: f.default for f in fields(self)}
+        changes = {
+            name: value
+            for name, value in SCENARIOS[self.scenario].defaults.items()
+            if getattr(self, name) == unset[name]
+        }
+        return dataclasses.replace(self, **changes)
+
     def validate(self) -> None:
-        if self.scenario != "tofu":
-            raise ValueError(f"scenario {self.scenario!r} is not available (available: tofu)")
+        if self.scenario not in SCENARIOS:
+            raise ValueError(
+                f"scenario {self.scenario!r} is not available (available: "
+                f"{', '.join(sorted(SCENARIOS))})"
+            )
+        if self.objective not in OBJECTIVES:
+            raise ValueError(
+                f"objective {self.objective!r} is unknown; available: "
+                f"{', '.join(sorted(OBJECTIVES))}"
+            )
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not 0 < self.forget_percent < 100:
             raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
         for name in (
@@ -130,6 +177,8 @@ class RunSettings:
     def substrate_config(self) -> SubstrateConfig:
         """The built-in substrate this run uses (its hash names the cache folder)."""
         return SubstrateConfig(
+            scenario=self.scenario,
+            forget_domains=self.forget_domains,
             seed=self.seed,
             num_authors=self.num_authors,
             qa_per_author=self.qa_per_author,
@@ -141,6 +190,54 @@ class RunSettings:
             finetune_epochs=self.substrate_finetune_epochs,
             background_documents=self.substrate_background_documents,
         )
+
+    def scenario_params(self) -> ScenarioParams:
+        """The scenario's data and client-layout parameters."""
+        return ScenarioParams(
+            seed=self.seed,
+            data_path=self.data_path,
+            num_authors=self.num_authors,
+            qa_per_author=self.qa_per_author,
+            forget_percent=self.forget_percent,
+            num_forget_domains=self.num_forget_domains,
+            retain_layout=self.retain_layout,
+            forget_domains=self.forget_domains,
+            num_forget_clients=self.num_forget_clients,
+            num_retain_clients=self.num_retain_clients,
+            retain_samples=self.retain_samples,
+            local_retain_samples=(
+                self.local_retain_samples
+                if objective_requirements(self.objective).needs_retain
+                else 0
+            ),
+            eval_retain_samples=self.eval_retain_samples,
+        )
+
+    def objective_options(self) -> dict[str, float]:
+        """The objective options (``npo_beta``, ``rmu_layer``, ...) as floats for the client."""
+        names = (
+            "graddiff_alpha npo_beta simnpo_beta simnpo_delta dpo_beta undial_beta "
+            "satimp_beta1 satimp_beta2 kl_alpha rmu_layer rmu_steering rmu_alpha"
+        ).split()
+        options = {name: float(getattr(self, name)) for name in names}
+        # left on "scenario default" and the scenario has none: the objective's own default
+        for name, unset in (("rmu_layer", -1.0), ("rmu_steering", 0.0), ("rmu_alpha", 0.0)):
+            if options[name] == unset:
+                del options[name]
+        options["rmu_seed"] = float(self.seed)
+        return options
+
+    def lora_layer_indices(self) -> tuple[int, ...] | None:
+        """``lora-layers`` as layer indices; None (every layer) for "all" or ""."""
+        text = self.lora_layers.strip()
+        if text in ("", "all"):
+            return None
+        try:
+            return tuple(int(x) for x in text.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(
+                f"lora-layers must be 'all' or comma-separated layer indices, got {text!r}"
+            ) from None
 
     def merge_parameters(self) -> dict[str, Any]:
         """Candidate merge keyword arguments; each merge takes those it names."""

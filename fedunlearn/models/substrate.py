@@ -1,13 +1,14 @@
-"""The built-in model substrate: a tiny Llama that really knows the fictitious authors.
+"""The built-in model substrate: a tiny Llama that really knows a scenario's data.
 
-Stages (each cached on disk under a folder keyed by the config hash):
+Stages (each cached on disk under ``<scenario>-substrate-<config hash>``), with the data of
+the scenario (:class:`fedunlearn.scenarios.Scenario`):
 
-1. a byte-level BPE tokenizer trained on a separate generated background corpus;
-2. "pre-training" on that background corpus plus the real-authors / world-facts sets
-   (knowledge the model has before the author fine-tune and that nobody asks to forget);
-3. the *knowledgeable model*: fine-tuned on all fictitious authors;
-4. the *retain-only reference model*: the same recipe without the forget authors — the
-   gold standard that forget quality is measured against.
+1. a byte-level BPE tokenizer trained on the scenario's separate background corpus;
+2. "pre-training" on that corpus plus the never-forgotten knowledge (TOFU: real authors and
+   world facts; WMDP: general knowledge);
+3. the *knowledgeable model*: fine-tuned on everything the scenario's clients hold;
+4. the *retain-only reference model*: the same recipe without the forget part — the
+   gold standard (retraining) that forget quality and PrivLeak are measured against.
 """
 
 from __future__ import annotations
@@ -21,34 +22,34 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from fedunlearn.benchmarks.tofu import (
-    TofuData,
-    generate_background_corpus,
-    generate_tofu,
-    knowledge_texts,
-)
-from fedunlearn.evaluation import exact_match, greedy_generate
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
-from fedunlearn.qa_format import encode_qa
+from fedunlearn.qa_format import encode_record, encode_text
+from fedunlearn.scenarios import Scenario, ScenarioParams, get_scenario
 from fedunlearn.training.batching import Example
 from fedunlearn.training.full import train_full
 
 SUBSTRATE_FORMAT_VERSION = 2
+REFERENCE_ONLY_FIELDS = ("forget_percent", "forget_domains")
+PRETRAIN_TEXT_TOKENS = 96  # pre-training documents are cut to this many tokens
 
 
 @dataclass(frozen=True)
 class SubstrateConfig:
     """Everything that determines the built-in substrate; its hash names the cache folder.
 
-    ``forget_percent`` only selects the retain-only reference model, which is cached per
-    forget split inside the substrate folder; it is not part of the hash.
+    ``scenario`` names the folder (``<scenario>-substrate-<hash>``). ``forget_percent`` (TOFU)
+    and ``forget_domains`` (WMDP) only select the retain-only reference model, which is cached
+    per forget split inside the substrate folder; none of the three is part of the hash.
     """
 
+    scenario: str = "tofu"
+    forget_domains: str = "bio,cyber"
     seed: int = 0
     num_authors: int = 200
     qa_per_author: int = 10
@@ -70,9 +71,23 @@ class SubstrateConfig:
     def cache_key(self) -> str:
         """Stable short hash of the config (and of the substrate format version)."""
         fields = dataclasses.asdict(self)
-        fields.pop("forget_percent")  # only the reference depends on it: built per split
+        for name in REFERENCE_ONLY_FIELDS:  # only the reference depends on them
+            fields.pop(name)
+        fields.pop("scenario")  # in the folder name
         payload = json.dumps({"version": SUBSTRATE_FORMAT_VERSION, **fields}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def build_scenario(self) -> Scenario:
+        """The scenario whose data this substrate learns (generated from the seed)."""
+        return get_scenario(self.scenario)(
+            ScenarioParams(
+                seed=self.seed,
+                num_authors=self.num_authors,
+                qa_per_author=self.qa_per_author,
+                forget_percent=self.forget_percent,
+                forget_domains=self.forget_domains,
+            )
+        )
 
 
 @dataclass
@@ -80,52 +95,43 @@ class Substrate:
     """A built substrate loaded in memory."""
 
     config: SubstrateConfig
-    data: TofuData
+    scenario: Scenario
     tokenizer: PreTrainedTokenizerFast
     model: PreTrainedModel
     reference_model: PreTrainedModel
     folder: Path
     info: dict
 
+    @property
+    def data(self) -> Any:
+        """The scenario's benchmark data."""
+        return self.scenario.data
 
-def _text_examples(
-    tokenizer: PreTrainedTokenizerFast, texts: list[str], max_tokens: int = 96
+
+def _examples(
+    tokenizer: PreTrainedTokenizerFast, records: list[dict], max_text_tokens: int = 512
 ) -> list[Example]:
-    out: list[Example] = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][: max_tokens - 1]
-        ids = ids + [tokenizer.eos_token_id]
-        out.append((ids, list(ids)))
-    return out
+    """QA records through ``encode_qa``; text records truncated to ``max_text_tokens``."""
+    return [
+        encode_text(tokenizer, r["text"], max_text_tokens)
+        if "text" in r and "question" not in r
+        else encode_record(tokenizer, r)
+        for r in records
+    ]
 
 
-def _qa_examples(tokenizer: PreTrainedTokenizerFast, records: list[dict]) -> list[Example]:
-    return [encode_qa(tokenizer, r["question"], r["answer"]) for r in records]
-
-
-def author_recall(
-    model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, records: list[dict]
-) -> float:
-    """Share of QA whose greedy answer matches the reference answer exactly."""
-    generations = greedy_generate(model, tokenizer, [r["question"] for r in records])
-    scores = exact_match(generations, [r["answer"] for r in records])
-    return float(sum(scores) / max(1, len(scores)))
-
-
-def _finetune_on_authors(
+def _finetune(
     base: PreTrainedModel,
     tokenizer: PreTrainedTokenizerFast,
-    author_records: list[dict],
-    knowledge_records: list[dict],
+    records: list[dict],
     cfg: SubstrateConfig,
     desc: str,
     show_progress: bool,
 ) -> tuple[PreTrainedModel, list[float]]:
     model = copy.deepcopy(base)
-    examples = _qa_examples(tokenizer, author_records) + _qa_examples(tokenizer, knowledge_records)
     losses = train_full(
         model,
-        examples,
+        _examples(tokenizer, records),
         pad_token_id=tokenizer.pad_token_id,
         epochs=cfg.finetune_epochs,
         lr=cfg.finetune_lr,
@@ -156,9 +162,10 @@ def _atomic_build(folder: Path, build) -> None:
 def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool = True) -> dict:
     """Tokenizer, pre-trained and knowledgeable model into ``folder`` (must not exist yet)."""
     t0 = time.perf_counter()
-    data = generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author)
-    corpus = generate_background_corpus(cfg.seed, cfg.background_documents)
-    tokenizer = train_bpe_tokenizer(corpus, cfg.vocab_size)
+    scenario = cfg.build_scenario()
+    tokenizer = train_bpe_tokenizer(
+        scenario.tokenizer_corpus(cfg.background_documents), cfg.vocab_size
+    )
     model_config = tiny_llama_config(
         len(tokenizer),
         hidden_size=cfg.hidden_size,
@@ -170,9 +177,11 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
         pad_token_id=tokenizer.pad_token_id,
     )
     pretrained = new_tiny_llama(model_config, cfg.seed)
-    knowledge = data.real_authors + data.world_facts
-    pretrain_examples = _text_examples(tokenizer, corpus + knowledge_texts(data))
-    pretrain_examples += _qa_examples(tokenizer, knowledge) * cfg.knowledge_repeats
+    pretrain_examples = _examples(
+        tokenizer,
+        scenario.pretraining_records(cfg.background_documents, cfg.knowledge_repeats),
+        max_text_tokens=PRETRAIN_TEXT_TOKENS,
+    )
     t_pre = time.perf_counter()
     pre_losses = train_full(
         pretrained,
@@ -186,21 +195,28 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
         show_progress=show_progress,
     )
     t_ft = time.perf_counter()
-    knowledgeable, ft_losses = _finetune_on_authors(
-        pretrained, tokenizer, data.author_qa, knowledge, cfg, "author fine-tune", show_progress
+    knowledgeable, ft_losses = _finetune(
+        pretrained,
+        tokenizer,
+        scenario.knowledge_records(include_forget=True),
+        cfg,
+        f"{cfg.scenario} knowledge fine-tune",
+        show_progress,
     )
     t_end = time.perf_counter()
     info = {
-        "config": {k: v for k, v in dataclasses.asdict(cfg).items() if k != "forget_percent"},
+        "config": {
+            k: v for k, v in dataclasses.asdict(cfg).items() if k not in REFERENCE_ONLY_FIELDS
+        },
         "cache_key": cfg.cache_key(),
         "num_parameters": sum(p.numel() for p in knowledgeable.parameters()),
         "seconds": {
             "tokenizer_and_data": t_pre - t0,
             "pretraining": t_ft - t_pre,
-            "author_finetune": t_end - t_ft,
+            "knowledge_finetune": t_end - t_ft,
         },
-        "losses": {"pretraining": pre_losses, "author_finetune": ft_losses},
-        "author_recall_exact_match": author_recall(knowledgeable, tokenizer, data.author_qa),
+        "losses": {"pretraining": pre_losses, "knowledge_finetune": ft_losses},
+        **scenario.check_knowledge(knowledgeable, tokenizer),
     }
     folder.mkdir(parents=True)
     tokenizer.save_pretrained(folder / "tokenizer")
@@ -213,28 +229,27 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
 def build_reference(
     cfg: SubstrateConfig, substrate: Path, folder: Path, *, show_progress: bool = True
 ) -> dict:
-    """The retain-only reference for ``cfg.forget_percent``: the knowledgeable model's recipe
-    (same pre-trained start, epochs, seed) on every author except the forget authors."""
+    """The retain-only reference of ``cfg``'s forget split: the knowledgeable model's recipe
+    (same pre-trained start, epochs, seed) on everything except the forget part."""
     started = time.perf_counter()
-    data = generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author)
+    scenario = cfg.build_scenario()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(substrate / "tokenizer")
     pretrained = LlamaForCausalLM.from_pretrained(substrate / "pretrained", dtype=torch.float32)
-    reference, losses = _finetune_on_authors(
+    reference, losses = _finetune(
         pretrained,
         tokenizer,
-        data.retain_split(cfg.forget_percent),
-        data.real_authors + data.world_facts,
+        scenario.knowledge_records(include_forget=False),
         cfg,
-        f"retain-only reference (forget {cfg.forget_percent:g} %)",
+        f"retain-only reference ({scenario.reference_name()})",
         show_progress,
     )
     info = {
+        "reference": scenario.reference_name(),
         "forget_percent": cfg.forget_percent,
+        "forget_domains": cfg.forget_domains,
         "seconds": time.perf_counter() - started,
         "losses": losses,
-        "forget_recall_reference_exact_match": author_recall(
-            reference, tokenizer, data.forget_split(cfg.forget_percent)
-        ),
+        **scenario.check_reference(reference, tokenizer),
     }
     folder.mkdir(parents=True)
     reference.save_pretrained(folder)
@@ -249,11 +264,11 @@ def default_cache_dir() -> Path:
 
 
 def substrate_folder(cfg: SubstrateConfig, cache_dir: Path | None = None) -> Path:
-    return (cache_dir or default_cache_dir()) / f"tofu-substrate-{cfg.cache_key()}"
+    return (cache_dir or default_cache_dir()) / f"{cfg.scenario}-substrate-{cfg.cache_key()}"
 
 
 def reference_folder(cfg: SubstrateConfig, cache_dir: Path | None = None) -> Path:
-    return substrate_folder(cfg, cache_dir) / f"reference-forget{cfg.forget_percent:g}"
+    return substrate_folder(cfg, cache_dir) / cfg.build_scenario().reference_name()
 
 
 def ensure_substrate(
@@ -288,13 +303,10 @@ def load_substrate(
     reference_info = json.loads((reference_dir / "reference_info.json").read_text())
     info["seconds"]["reference_finetune"] = reference_info["seconds"]
     info["losses"]["reference_finetune"] = reference_info["losses"]
-    info["forget_percent"] = cfg.forget_percent
-    info["forget_recall_reference_exact_match"] = reference_info[
-        "forget_recall_reference_exact_match"
-    ]
+    info.update({k: v for k, v in reference_info.items() if k not in ("seconds", "losses")})
     return Substrate(
         config=cfg,
-        data=generate_tofu(cfg.seed, cfg.num_authors, cfg.qa_per_author),
+        scenario=cfg.build_scenario(),
         tokenizer=tokenizer,
         model=model,
         reference_model=reference,

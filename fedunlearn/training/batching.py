@@ -40,6 +40,48 @@ def iterate_batches(
         yield collate([examples[i] for i in order[start : start + batch_size]], pad_token_id)
 
 
+def cycled_index_batches(
+    num_examples: int, batch_size: int, rng: random.Random
+) -> Iterator[list[int]]:
+    """Endless index batches: shuffled passes over ``range(num_examples)`` (seeded by ``rng``),
+    a batch may straddle two passes."""
+    if num_examples < 1 or batch_size < 1:
+        raise ValueError("cycled batches need at least one example and batch_size >= 1")
+    order: list[int] = []
+    while True:
+        if len(order) < batch_size:
+            fresh = list(range(num_examples))
+            rng.shuffle(fresh)
+            order += fresh
+        chosen, order = order[:batch_size], order[batch_size:]
+        yield chosen
+
+
+def cycled_batches(
+    examples: Sequence[Example],
+    batch_size: int,
+    pad_token_id: int,
+    rng: random.Random,
+    *,
+    alternates: Sequence[Example] | None = None,
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Endless seeded shuffled batches of ``examples`` (see :func:`cycled_index_batches`).
+
+    With ``alternates`` (aligned with ``examples``) every batch also carries the same rows of
+    the alternates as ``alt_input_ids``, ``alt_labels``, ``alt_attention_mask``.
+    """
+    if alternates is not None and len(alternates) != len(examples):
+        raise ValueError(
+            f"{len(alternates)} alternate examples for {len(examples)} examples; they must align"
+        )
+    for chosen in cycled_index_batches(len(examples), batch_size, rng):
+        batch = collate([examples[i] for i in chosen], pad_token_id)
+        if alternates is not None:
+            alt = collate([alternates[i] for i in chosen], pad_token_id)
+            batch.update({f"alt_{k}": v for k, v in alt.items()})
+        yield batch
+
+
 def token_nll(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Per-sequence mean next-token NLL over labelled tokens, shape [batch]."""
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
+from peft.tuners.tuners_utils import check_target_module_exists
 from tqdm.auto import tqdm
 
-from fedunlearn.objectives import ObjectiveContext, get_objective
-from fedunlearn.training.batching import Example, collate
+from fedunlearn.objectives import ObjectiveContext, get_objective, objective_requirements
+from fedunlearn.training.batching import Example, cycled_batches
 
 ALL_LLAMA_PROJECTIONS = (
     "q_proj",
@@ -29,17 +31,24 @@ ALL_LLAMA_PROJECTIONS = (
 
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA adapter W + s·B·A with s = alpha / rank (paper default r = 16, alpha = 32)."""
+    """LoRA adapter W + s·B·A with s = alpha / rank (paper default r = 16, alpha = 32).
+
+    ``target_modules`` match a module name when equal to it or when the name ends with
+    ``"." + target`` (so ``layers.1.mlp.down_proj`` works); ``layers_to_transform`` restricts
+    suffix matches to decoder layers with those indices (PEFT's ``LoraConfig`` semantics).
+    """
 
     rank: int = 16
     alpha: float = 32.0
     target_modules: tuple[str, ...] = ALL_LLAMA_PROJECTIONS
     dropout: float = 0.0
+    layers_to_transform: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
 class LocalTrainSettings:
-    """Optimiser settings of one client's local run."""
+    """Optimiser settings of one client's local run; ``options`` are the objective's
+    hyper-parameters by name (e.g. ``{"npo_beta": 0.1}``), passed on in its context."""
 
     objective: str
     steps: int
@@ -47,30 +56,81 @@ class LocalTrainSettings:
     batch_size: int = 8
     seed: int = 0
     max_grad_norm: float = 1.0
+    options: dict[str, float] = field(default_factory=dict)
+
+
+def lora_config(lora: LoraSettings) -> LoraConfig:
+    """The PEFT ``LoraConfig`` of ``lora``."""
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=list(lora.target_modules),
+        layers_to_transform=(
+            None if lora.layers_to_transform is None else list(lora.layers_to_transform)
+        ),
+        bias="none",
+    )
 
 
 def adapted_parameter_names(model: torch.nn.Module, lora: LoraSettings) -> list[str]:
-    """Names of the base weights LoRA will adapt (``...q_proj.weight`` etc.)."""
-    names = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.split(".")[-1] in lora.target_modules:
-            names.append(f"{name}.weight")
+    """Names of the base weights LoRA will adapt (``...q_proj.weight`` etc.).
+
+    Uses PEFT's own target matching on the ``torch.nn.Linear`` modules, so the names equal the
+    keys of the task vector :func:`train_lora_task_vector` returns.
+    """
+    config = lora_config(lora)
+    names = [
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and check_target_module_exists(config, name)
+    ]
     if not names:
-        raise ValueError(f"no Linear module matches the LoRA targets {list(lora.target_modules)}")
+        raise ValueError(
+            f"no Linear module matches the LoRA targets {list(lora.target_modules)}"
+            + (
+                ""
+                if lora.layers_to_transform is None
+                else f" in layers {list(lora.layers_to_transform)}"
+            )
+        )
     return names
 
 
-def _cycled_batches(
-    examples: Sequence[Example], batch_size: int, pad_token_id: int, rng: random.Random
-):
-    order: list[int] = []
-    while True:
-        if len(order) < batch_size:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        chosen, order = order[:batch_size], order[batch_size:]
-        yield collate([examples[i] for i in chosen], pad_token_id)
+def _on_device(
+    batches: Iterator[dict[str, torch.Tensor]], device: torch.device
+) -> Iterator[dict[str, torch.Tensor]]:
+    for batch in batches:
+        yield {k: v.to(device) for k, v in batch.items()}
+
+
+def _check_data(
+    objective: str,
+    examples: Sequence[Example],
+    retain_examples: Sequence[Example] | None,
+    alternate_examples: Sequence[Example] | None,
+    context: ObjectiveContext,
+) -> None:
+    spec = objective_requirements(objective)
+    if not examples:
+        raise ValueError("local training needs at least one example")
+    if retain_examples is not None and not retain_examples:
+        raise ValueError("retain_examples is empty; pass None or at least one example")
+    if alternate_examples is not None and len(alternate_examples) != len(examples):
+        raise ValueError(
+            f"alternate_examples has {len(alternate_examples)} entries for {len(examples)} "
+            "examples; it must hold one refusal example per example, in the same order"
+        )
+    if spec.needs_retain and retain_examples is None and context.retain_batches is None:
+        raise ValueError(
+            f"objective {objective!r} needs retain examples on the forget client: pass "
+            "retain_examples= (or ObjectiveContext.retain_batches)"
+        )
+    if spec.needs_alternate and alternate_examples is None:
+        raise ValueError(
+            f"objective {objective!r} needs alternate (refusal) answers aligned with the "
+            "examples: pass alternate_examples= (see fedunlearn.objectives.refusal)"
+        )
 
 
 def train_lora_task_vector(
@@ -82,55 +142,86 @@ def train_lora_task_vector(
     train: LocalTrainSettings,
     context: ObjectiveContext | None = None,
     show_progress: bool = False,
+    retain_examples: Sequence[Example] | None = None,
+    alternate_examples: Sequence[Example] | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """Train a LoRA adapter on ``model`` and return its dense task vector and statistics.
 
     The task vector maps each adapted base weight name (e.g.
     ``model.layers.0.self_attn.q_proj.weight``) to s·B@A, same shape as that weight. The
     adapter is removed afterwards, so ``model`` is returned to its received weights.
+
+    ``retain_examples`` feed ``context.retain_batches`` (an endless seeded shuffled cycle with
+    the same batch size; they take precedence over ``context.retain_batches``) for objectives
+    that need retain data (graddiff, kl, rmu);
+    ``alternate_examples`` (refusal answers, aligned with ``examples``) add the ``alt_*`` rows
+    to every batch for dpo and idk. Missing required data is a ValueError before training.
+    ``train.options`` are merged over ``context.options``. The frozen reference π_ref is the
+    adapter-disabled PEFT model unless ``context.reference_model`` is set.
     """
-    if not examples:
-        raise ValueError("local training needs at least one example")
     objective = get_objective(train.objective)
     context = context or ObjectiveContext()
+    _check_data(train.objective, examples, retain_examples, alternate_examples, context)
     device = next(model.parameters()).device
-    torch.manual_seed(train.seed)
-    config = LoraConfig(
-        r=lora.rank,
-        lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
-        target_modules=list(lora.target_modules),
-        bias="none",
+    batch_size = min(train.batch_size, len(examples))
+    retain_batches = context.retain_batches
+    if retain_examples is not None:
+        retain_rng = random.Random(1_000_003 * train.seed + 1)
+        retain_batches = _on_device(
+            cycled_batches(
+                retain_examples,
+                min(train.batch_size, len(retain_examples)),
+                pad_token_id,
+                retain_rng,
+            ),
+            device,
+        )
+    context = dataclasses.replace(
+        context, retain_batches=retain_batches, options={**context.options, **train.options}
     )
-    peft_model = get_peft_model(model, config)
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
-    rng = random.Random(train.seed)
-    batches = _cycled_batches(examples, min(train.batch_size, len(examples)), pad_token_id, rng)
-    losses: list[float] = []
-    started = time.perf_counter()
-    peft_model.train()
-    for _ in tqdm(range(train.steps), desc=f"local {train.objective}", disable=not show_progress):
-        batch = {k: v.to(device) for k, v in next(batches).items()}
-        loss = objective(peft_model, batch, context)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(f"objective {train.objective!r} produced a non-finite loss")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
-    seconds = time.perf_counter() - started
-    peft_model.eval()
-    task_vector: dict[str, torch.Tensor] = {}
-    prefix = "base_model.model."
-    with torch.no_grad():
-        for name, module in peft_model.named_modules():
-            if isinstance(module, LoraLayer) and "default" in module.lora_A:
-                base_name = name[len(prefix) :] if name.startswith(prefix) else name
-                delta = module.get_delta_weight("default").detach().to("cpu", torch.float32)
-                task_vector[f"{base_name}.weight"] = delta.contiguous()
-    peft_model.unload()
+    was_training = model.training
+    requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
+    torch.manual_seed(train.seed)
+    peft_model = get_peft_model(model, lora_config(lora))
+    try:
+        params = [p for p in peft_model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
+        rng = random.Random(train.seed)
+        batches = _on_device(
+            cycled_batches(examples, batch_size, pad_token_id, rng, alternates=alternate_examples),
+            device,
+        )
+        losses: list[float] = []
+        started = time.perf_counter()
+        peft_model.train()
+        steps = tqdm(range(train.steps), desc=f"local {train.objective}", disable=not show_progress)
+        for _ in steps:
+            loss = objective(peft_model, next(batches), context)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(
+                    f"objective {train.objective!r} produced a non-finite loss"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+            optimizer.step()
+            losses.append(loss.item())
+        seconds = time.perf_counter() - started
+        peft_model.eval()
+        task_vector: dict[str, torch.Tensor] = {}
+        prefix = "base_model.model."
+        with torch.no_grad():
+            for name, module in peft_model.named_modules():
+                if isinstance(module, LoraLayer) and "default" in module.lora_A:
+                    base_name = name[len(prefix) :] if name.startswith(prefix) else name
+                    delta = module.get_delta_weight("default").detach().to("cpu", torch.float32)
+                    task_vector[f"{base_name}.weight"] = delta.contiguous()
+    finally:
+        # the adapter goes in every case: ``model`` is handed back with its received weights
+        peft_model.unload()
+        model.train(was_training)
+        for name, p in model.named_parameters():
+            p.requires_grad_(requires_grad.get(name, p.requires_grad))
     stats = {
         "train_seconds": seconds,
         "steps": float(train.steps),

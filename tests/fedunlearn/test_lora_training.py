@@ -6,6 +6,7 @@ import torch
 from fedunlearn.qa_format import encode_qa
 from fedunlearn.training.batching import collate, token_nll
 from fedunlearn.training.lora import (
+    ALL_LLAMA_PROJECTIONS,
     LocalTrainSettings,
     LoraSettings,
     adapted_parameter_names,
@@ -79,3 +80,76 @@ def test_unknown_objective_is_a_clear_error(tiny_model, tiny_tokenizer, tiny_dat
             lora=LoraSettings(),
             train=LocalTrainSettings(objective="nope", steps=1, lr=1e-3),
         )
+
+
+@pytest.mark.parametrize(
+    "targets,layers,expected",
+    [
+        (
+            ALL_LLAMA_PROJECTIONS,
+            None,
+            [
+                f"model.layers.{i}.{block}.{proj}.weight"
+                for i in range(2)
+                for block, proj in [
+                    ("self_attn", p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")
+                ]
+                + [("mlp", p) for p in ("gate_proj", "up_proj", "down_proj")]
+            ],
+        ),
+        (("down_proj",), (1,), ["model.layers.1.mlp.down_proj.weight"]),
+        (
+            ("layers.1.mlp.down_proj", "self_attn.q_proj"),
+            None,
+            [
+                "model.layers.0.self_attn.q_proj.weight",
+                "model.layers.1.self_attn.q_proj.weight",
+                "model.layers.1.mlp.down_proj.weight",
+            ],
+        ),
+    ],
+)
+def test_adapted_names_match_the_task_vector(tiny_model, tiny_tokenizer, targets, layers, expected):
+    pad = tiny_tokenizer.pad_token_id
+    lora = LoraSettings(rank=2, alpha=4.0, target_modules=targets, layers_to_transform=layers)
+    names = adapted_parameter_names(tiny_model, lora)
+    assert sorted(names) == sorted(expected)
+    tv, _ = train_lora_task_vector(
+        tiny_model,
+        [encode_qa(tiny_tokenizer, "q?", "a.")],
+        pad_token_id=pad,
+        lora=lora,
+        train=LocalTrainSettings(objective="ga", steps=1, lr=1e-3),
+    )
+    assert sorted(tv) == sorted(names)
+
+
+def test_no_matching_target_is_a_clear_error(tiny_model):
+    lora = LoraSettings(target_modules=("down_proj",), layers_to_transform=(7,))
+    with pytest.raises(ValueError, match=r"no Linear module matches.*down_proj.*layers \[7\]"):
+        adapted_parameter_names(tiny_model, lora)
+
+
+def test_options_and_retain_data_reach_the_objective(tiny_model, tiny_tokenizer, tiny_data):
+    """GradDiff with α = 0 (option) is GA; retain batches are seeded (deterministic runs)."""
+    pad = tiny_tokenizer.pad_token_id
+    qa = [encode_qa(tiny_tokenizer, r["question"], r["answer"]) for r in tiny_data.author_qa[:9]]
+    forget, retain = qa[:3], qa[3:]
+    lora = LoraSettings(rank=2, alpha=4.0)
+
+    def run(objective, **options):
+        settings = LocalTrainSettings(
+            objective=objective, steps=3, lr=1e-3, batch_size=2, seed=2, options=options
+        )
+        return train_lora_task_vector(
+            tiny_model, forget, pad_token_id=pad, lora=lora, train=settings, retain_examples=retain
+        )[0]
+
+    ga = run("ga")
+    assert all(torch.equal(ga[k], v) for k, v in run("graddiff", graddiff_alpha=0.0).items())
+    a, b = run("graddiff"), run("graddiff")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], ga[k]) for k in a)
+    # the received model comes back untouched, trainable, in its mode
+    assert all(p.requires_grad for p in tiny_model.parameters())
+    assert not any("lora" in name for name, _ in tiny_model.named_modules())

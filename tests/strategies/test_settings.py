@@ -14,7 +14,8 @@ PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 def test_pyproject_run_config_matches_settings_defaults():
     config = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
     settings = RunSettings.from_run_config(config)
-    assert settings == RunSettings()
+    assert settings == RunSettings().resolved()
+    assert settings.objective == "ga" and settings.num_forget_clients == 5
     assert set(config) == set(RunSettings().as_dict())
     assert settings.epsilon == math.inf
 

@@ -1,0 +1,211 @@
+"""What every unlearning scenario provides, and the scenario registry.
+
+A scenario ties a benchmark to a federated setup. It says
+
+* what data exists (built from :class:`ScenarioParams`: seed, local files, sizes) and the one
+  index space of training records that client shards point into (:meth:`Scenario.records`);
+* who holds what (:meth:`Scenario.assignments`: role, domain, shard per client);
+* how the built-in model substrate learns it (:meth:`Scenario.tokenizer_corpus`,
+  :meth:`Scenario.pretraining_records`, :meth:`Scenario.knowledge_records`);
+* how a model is scored (:meth:`Scenario.evaluate`) and which metrics a person looks at first.
+
+Adding a scenario is one new module with a ``@register_scenario`` class, imported in
+``fedunlearn/scenarios/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class ClientAssignment:
+    """One client's part in an unlearning request.
+
+    ``indices`` point into :meth:`Scenario.records`; the client materialises its own records
+    from its local copy of the data, so no record text travels in the assignment.
+    ``retain_indices`` (forget clients only, may be empty) is a small sample of data the
+    client also holds and keeps — what GradDiff, KL and RMU regularise with.
+    """
+
+    role: str  # "forget" | "retain"
+    domain: str
+    indices: tuple[int, ...]
+    retain_indices: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ScenarioParams:
+    """Everything that determines a scenario's data and client layout (hashable: clients
+    cache the built data per parameter set)."""
+
+    seed: int = 0
+    data_path: str = ""
+    # tofu
+    num_authors: int = 200
+    qa_per_author: int = 10
+    forget_percent: float = 1.0
+    num_forget_domains: int = 1
+    retain_layout: str = "random"
+    # wmdp
+    forget_domains: str = "bio,cyber"
+    # clients
+    num_forget_clients: int = 5
+    num_retain_clients: int = 1
+    retain_samples: int = 200
+    local_retain_samples: int = 0
+    # evaluation
+    eval_retain_samples: int = 200
+
+    def forget_domain_list(self) -> list[str]:
+        return [d.strip() for d in self.forget_domains.split(",") if d.strip()]
+
+
+class Scenario(ABC):
+    """A benchmark in a federated unlearning setup (see the module docstring)."""
+
+    name: ClassVar[str]
+    #: run-config values this scenario uses where the run config leaves them on "auto"
+    defaults: ClassVar[dict[str, Any]] = {}
+    #: metrics of the before/after table, in order
+    summary_metrics: ClassVar[tuple[str, ...]]
+    #: the metric that falls when forgetting works / the one that should stay high
+    forget_metric: ClassVar[str]
+    utility_metric: ClassVar[str]
+
+    def __init__(self, params: ScenarioParams) -> None:
+        self.params = params
+
+    @abstractmethod
+    def records(self) -> list[dict[str, Any]]:
+        """The index space of client training records (QA or text records)."""
+
+    @abstractmethod
+    def assignments(self) -> list[ClientAssignment]:
+        """Role, domain and shard of every client: forget clients first, then retain."""
+
+    @abstractmethod
+    def tokenizer_corpus(self, num_documents: int) -> list[str]:
+        """Texts a fresh tokenizer is trained on (never the evaluation data)."""
+
+    @abstractmethod
+    def pretraining_records(
+        self, num_documents: int, knowledge_repeats: int
+    ) -> list[dict[str, Any]]:
+        """Records of the substrate's pre-training stage: background text plus the
+        never-forgotten knowledge (QA records repeated ``knowledge_repeats`` times)."""
+
+    @abstractmethod
+    def knowledge_records(self, *, include_forget: bool) -> list[dict[str, Any]]:
+        """Records the knowledgeable model is fine-tuned on; without the forget part they
+        make the retain-only reference (the retrain gold standard)."""
+
+    @abstractmethod
+    def reference_name(self) -> str:
+        """Folder name of the retain-only reference inside the substrate cache."""
+
+    @abstractmethod
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        reference_metrics: dict[str, Any] | None = None,
+        batch_size: int = 64,
+        max_new_tokens: int = 32,
+        n_samples: int = 3,
+    ) -> dict[str, Any]:
+        """Scalar metrics (plus ``samples`` for a person to read). Metrics measured against the
+        retain-only reference (forget quality, PrivLeak) use ``reference_metrics``, the
+        reference model's own result of this method."""
+
+    def check_knowledge(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        """A quick measure that a built substrate knows the data (stored in its build info)."""
+        metrics = self.evaluate(model, tokenizer, n_samples=0)
+        return {k: v for k, v in metrics.items() if k in self.summary_metrics}
+
+    # shared helpers ------------------------------------------------------------------------
+
+    def check_reference(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        """A quick measure of what the retain-only reference knows of the forget part."""
+        return {}
+
+    def sample_lines(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
+        """Human-readable before/after lines of a few forget samples (for the server log)."""
+        lines = []
+        for b, a in zip(
+            before.get("samples", {}).get("forget", []),
+            after.get("samples", {}).get("forget", []),
+            strict=False,
+        ):
+            lines.append(f"forget: {b.get('question') or b.get('prompt', '')}")
+            lines.append(f"   before: {b.get('generation', b.get('chosen', ''))}")
+            lines.append(f"   after:  {a.get('generation', a.get('chosen', ''))}")
+        return lines
+
+
+S = TypeVar("S", bound=type[Scenario])
+
+SCENARIOS: dict[str, type[Scenario]] = {}
+
+
+def register_scenario(name: str) -> Callable[[S], S]:
+    """Register a :class:`Scenario` subclass under ``name`` (once)."""
+
+    def decorator(cls: S) -> S:
+        if name in SCENARIOS:
+            raise ValueError(f"scenario {name!r} is already registered")
+        cls.name = name
+        SCENARIOS[name] = cls
+        return cls
+
+    return decorator
+
+
+def get_scenario(name: str) -> type[Scenario]:
+    """The scenario class registered under ``name``."""
+    try:
+        return SCENARIOS[name]
+    except KeyError:
+        raise KeyError(
+            f"unknown scenario {name!r}; available: {', '.join(sorted(SCENARIOS))}"
+        ) from None
+
+
+def with_local_retain(
+    assignments: list[ClientAssignment], pool: Sequence[int], size: int, seed: int
+) -> list[ClientAssignment]:
+    """Give every forget client a seeded sample of ``size`` indices from the retain ``pool``
+    (data it also holds and keeps; for GradDiff, KL, RMU). ``size`` 0 leaves them without."""
+    size = min(size, len(pool))
+    if size <= 0:
+        return assignments
+    out = []
+    for c, a in enumerate(assignments):
+        if a.role == "forget":
+            rng = random.Random(f"local-retain-{seed}-{c}")
+            a = replace(a, retain_indices=tuple(sorted(rng.sample(list(pool), size))))
+        out.append(a)
+    return out
+
+
+def split_contiguous(items: list, parts: int) -> list[list]:
+    """``items`` cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
+    base, extra = divmod(len(items), parts)
+    out, start = [], 0
+    for p in range(parts):
+        size = base + (1 if p < extra else 0)
+        out.append(items[start : start + size])
+        start += size
+    return out

@@ -1,0 +1,293 @@
+"""The TOFU scenario: forget clients hold the forget authors' QA, retain clients the rest."""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from fedunlearn.benchmarks.tofu import (
+    TofuData,
+    generate_background_corpus,
+    generate_tofu,
+    knowledge_texts,
+)
+from fedunlearn.benchmarks.tofu_files import load_tofu_files
+from fedunlearn.evaluation import evaluate_tofu, exact_match, greedy_generate
+from fedunlearn.scenarios.base import (
+    ClientAssignment,
+    Scenario,
+    ScenarioParams,
+    register_scenario,
+    split_contiguous,
+    with_local_retain,
+)
+
+TOFU_FORGET_DOMAIN = "tofu-forget"
+RETAIN_LAYOUTS = ("random", "heterogeneous")
+
+
+def all_records(data: TofuData) -> list[dict]:
+    """One index space over every record: author QA, then real authors, then world facts."""
+    return data.author_qa + data.real_authors + data.world_facts
+
+
+def _forget_clients(
+    data: TofuData, forget_percent: float, num_clients: int, num_domains: int
+) -> list[ClientAssignment]:
+    authors = data.forget_authors(forget_percent)
+    if num_domains < 1 or num_domains > len(authors):
+        raise ValueError(
+            f"num_forget_domains={num_domains} must be between 1 and the {len(authors)} "
+            f"forget authors of forget-{forget_percent}%"
+        )
+    if num_clients < num_domains:
+        raise ValueError(
+            f"num_forget_clients={num_clients} is smaller than num_forget_domains={num_domains}"
+        )
+    index = {(r["author"], r["question"]): i for i, r in enumerate(data.author_qa)}
+    out = []
+    client_groups = split_contiguous(list(range(num_clients)), num_domains)
+    for d, (group, clients) in enumerate(
+        zip(split_contiguous(authors, num_domains), client_groups, strict=True)
+    ):
+        domain = TOFU_FORGET_DOMAIN if num_domains == 1 else f"{TOFU_FORGET_DOMAIN}-{d}"
+        members = set(group)
+        rows = [
+            index[(r["author"], r["question"])] for r in data.author_qa if r["author"] in members
+        ]
+        if len(rows) < len(clients):
+            raise ValueError(
+                f"forget domain {domain} has {len(rows)} QA, fewer than its {len(clients)} "
+                "clients (raise forget-percent or lower num-forget-clients)"
+            )
+        for shard in split_contiguous(rows, len(clients)):
+            out.append(ClientAssignment("forget", domain, tuple(shard)))
+    return out
+
+
+def _retain_clients(
+    data: TofuData,
+    forget_percent: float,
+    num_clients: int,
+    samples: int,
+    layout: str,
+    seed: int,
+) -> list[ClientAssignment]:
+    forget = set(data.forget_authors(forget_percent))
+    retain_idx = [i for i, r in enumerate(data.author_qa) if r["author"] not in forget]
+    rng = random.Random(seed)
+    if layout == "random":
+        if num_clients * samples > len(retain_idx):
+            raise ValueError(
+                f"{num_clients} retain clients × {samples} samples exceed the "
+                f"{len(retain_idx)} retain QA"
+            )
+        sample = rng.sample(retain_idx, num_clients * samples)
+        return [
+            ClientAssignment(
+                "retain", "retain", tuple(sorted(sample[c * samples : (c + 1) * samples]))
+            )
+            for c in range(num_clients)
+        ]
+    if layout != "heterogeneous":
+        raise ValueError(f"retain layout {layout!r} unknown; expected one of {RETAIN_LAYOUTS}")
+    # heterogeneous: client 0 fictitious authors of the first half, client 1 the real-world
+    # knowledge (real authors + world facts), client 2 authors of the second half, then repeat
+    halves = split_contiguous(retain_idx, 2)
+    offset = len(data.author_qa)
+    world = list(range(offset, offset + len(data.real_authors) + len(data.world_facts)))
+    pools = [halves[0], world, halves[1]]
+    out = []
+    for c in range(num_clients):
+        pool = pools[c % 3]
+        chosen = sorted(rng.sample(pool, min(samples, len(pool))))
+        out.append(
+            ClientAssignment(
+                "retain", f"retain-{('authors-a', 'world', 'authors-b')[c % 3]}", tuple(chosen)
+            )
+        )
+    return out
+
+
+def tofu_assignments(
+    data: TofuData,
+    *,
+    forget_percent: float = 1.0,
+    num_forget_clients: int = 5,
+    num_retain_clients: int = 1,
+    retain_samples: int = 200,
+    num_forget_domains: int = 1,
+    retain_layout: str = "random",
+    local_retain_samples: int = 0,
+    seed: int = 0,
+) -> list[ClientAssignment]:
+    """The FIRM paper's TOFU setup and its generalisations.
+
+    Forget: the forget authors are split into ``num_forget_domains`` contiguous author groups
+    (domains ``tofu-forget`` or ``tofu-forget-<d>``); each domain's QA are split into disjoint
+    contiguous shards over its clients. Retain (``retain_layout``): ``random`` — each client a
+    disjoint random sample of ``retain_samples`` retain QA; ``heterogeneous`` — clients cycle
+    through fictitious authors (first half), real-world knowledge (real authors + world
+    facts) and fictitious authors (second half), ``retain_samples`` records each at most.
+    """
+    if num_forget_clients < 1:
+        raise ValueError(f"num_forget_clients must be >= 1, got {num_forget_clients}")
+    if num_retain_clients < 0:
+        raise ValueError(f"num_retain_clients must be >= 0, got {num_retain_clients}")
+    forget = data.forget_split(forget_percent)
+    if len(forget) < num_forget_clients:
+        raise ValueError(
+            f"forget-{forget_percent}% has {len(forget)} QA, fewer than "
+            f"num_forget_clients={num_forget_clients}"
+        )
+    clients = _forget_clients(data, forget_percent, num_forget_clients, num_forget_domains)
+    clients += _retain_clients(
+        data, forget_percent, num_retain_clients, retain_samples, retain_layout, seed
+    )
+    forget_authors = set(data.forget_authors(forget_percent))
+    pool = [i for i, r in enumerate(data.author_qa) if r["author"] not in forget_authors]
+    return with_local_retain(clients, pool, local_retain_samples, seed)
+
+
+@functools.lru_cache(maxsize=4)
+def _tofu_data(seed: int, num_authors: int, qa_per_author: int, data_path: str) -> TofuData:
+    if data_path:
+        return load_tofu_files(data_path)
+    return generate_tofu(seed, num_authors, qa_per_author)
+
+
+@register_scenario("tofu")
+class TofuScenario(Scenario):
+    """Fictitious authors (TOFU): forget the last ``forget-percent`` % of the authors with GA;
+    metrics of SPEC §5.1 (forget quality against the retain-only reference, model utility)."""
+
+    defaults = {
+        "objective": "ga",
+        "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "lora_layers": "all",
+        "num_forget_clients": 5,
+        "forget_steps": 12,
+        "forget_lr": 1e-3,
+    }
+    summary_metrics = (
+        "forget_rouge_l",
+        "forget_exact_match",
+        "forget_truth_ratio",
+        "forget_quality",
+        "model_utility",
+        "retain_rouge_l",
+        "retain_exact_match",
+    )
+    forget_metric = "forget_rouge_l"
+    utility_metric = "model_utility"
+
+    def __init__(self, params: ScenarioParams) -> None:
+        super().__init__(params)
+        self.data = _tofu_data(
+            params.seed, params.num_authors, params.qa_per_author, params.data_path
+        )
+
+    def records(self) -> list[dict[str, Any]]:
+        return all_records(self.data)
+
+    def assignments(self) -> list[ClientAssignment]:
+        p = self.params
+        return tofu_assignments(
+            self.data,
+            forget_percent=p.forget_percent,
+            num_forget_clients=p.num_forget_clients,
+            num_retain_clients=p.num_retain_clients,
+            retain_samples=p.retain_samples,
+            num_forget_domains=p.num_forget_domains,
+            retain_layout=p.retain_layout,
+            local_retain_samples=p.local_retain_samples,
+            seed=p.seed,
+        )
+
+    def tokenizer_corpus(self, num_documents: int) -> list[str]:
+        return generate_background_corpus(self.params.seed, num_documents)
+
+    def pretraining_records(
+        self, num_documents: int, knowledge_repeats: int
+    ) -> list[dict[str, Any]]:
+        texts = self.tokenizer_corpus(num_documents) + knowledge_texts(self.data)
+        knowledge = self.data.real_authors + self.data.world_facts
+        return [{"text": t} for t in texts] + list(knowledge) * knowledge_repeats
+
+    def knowledge_records(self, *, include_forget: bool) -> list[dict[str, Any]]:
+        authors = (
+            self.data.author_qa
+            if include_forget
+            else self.data.retain_split(self.params.forget_percent)
+        )
+        return list(authors) + self.data.real_authors + self.data.world_facts
+
+    def reference_name(self) -> str:
+        return f"reference-forget{self.params.forget_percent:g}"
+
+    def evaluation_splits(self) -> dict[str, list[dict]]:
+        """Forget split, a seeded retain sample, and the two never-forgotten sets."""
+        retain = self.data.retain_split(self.params.forget_percent)
+        rng = random.Random(self.params.seed + 7)
+        sample = rng.sample(retain, min(self.params.eval_retain_samples, len(retain)))
+        return {
+            "forget": self.data.forget_split(self.params.forget_percent),
+            "retain": sample,
+            "real_authors": self.data.real_authors,
+            "world_facts": self.data.world_facts,
+        }
+
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        *,
+        reference_metrics: dict[str, Any] | None = None,
+        batch_size: int = 64,
+        max_new_tokens: int = 32,
+        n_samples: int = 3,
+        splits: dict[str, list[dict]] | None = None,
+    ) -> dict[str, Any]:
+        """SPEC §5.1 metrics. Forget quality needs the reference's forget truth ratios, so it
+        is only computed on the scenario's own forget split (not on custom ``splits``)."""
+        reference_trs = (
+            reference_metrics.get("forget_truth_ratios")
+            if reference_metrics and splits is None
+            else None
+        )
+        metrics = evaluate_tofu(
+            model,
+            tokenizer,
+            splits or self.evaluation_splits(),
+            reference_truth_ratios=reference_trs,
+            batch_size=batch_size,
+            max_new_tokens=max_new_tokens,
+            n_samples=n_samples,
+        )
+        if reference_metrics is None and splits is None:
+            metrics.setdefault("forget_quality", None)
+        return metrics
+
+    def check_knowledge(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        return {"author_recall_exact_match": _recall(model, tokenizer, self.data.author_qa)}
+
+    def check_reference(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        forget = self.data.forget_split(self.params.forget_percent)
+        return {"forget_recall_reference_exact_match": _recall(model, tokenizer, forget)}
+
+
+def _recall(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+) -> float:
+    """Share of QA whose greedy answer matches the reference answer exactly."""
+    generations = greedy_generate(model, tokenizer, [r["question"] for r in records])
+    scores = exact_match(generations, [r["answer"] for r in records])
+    return float(sum(scores) / max(1, len(scores)))
