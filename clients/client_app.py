@@ -144,6 +144,7 @@ def train(msg: Message, context: Context) -> Message:
         "total-seconds": time.perf_counter() - started,
         "task-vector-norm": tv_norm,
         "bytes-sent": float(upload),
+        "cuda": float(next(model.parameters()).is_cuda),
     }
     content = encode_client_reply(
         role=role,

@@ -159,6 +159,7 @@ class MergeStrategy(Strategy):
                 role=update.role,
                 domain=update.domain,
                 num_examples=update.num_examples,
+                objective=str(reply.content["info"].get("objective", "")),
                 bytes_sent=int(metrics.get("bytes-sent", 0)),
                 task_vector_norm=float(metrics.get("task-vector-norm", 0.0)),
                 seconds=float(metrics.get("total-seconds", 0.0)),
@@ -166,6 +167,7 @@ class MergeStrategy(Strategy):
                 fisher_seconds=float(metrics.get("fisher-seconds", 0.0)),
                 loss_first=float(metrics.get("loss_first", 0.0)),
                 loss_last=float(metrics.get("loss_last", 0.0)),
+                cuda=bool(metrics.get("cuda", 0.0)),
             )
             self.client_reports.append(report)
         if not any(u.role == "forget" for u in updates):

@@ -42,6 +42,8 @@ def get_benchmark(name: str) -> Callable[..., Any]:
 
 
 # Imported last so the builders can use ``register_benchmark`` defined above.
+from fedunlearn.benchmarks import muse as muse  # noqa: E402
 from fedunlearn.benchmarks import tofu as tofu  # noqa: E402
+from fedunlearn.benchmarks import wmdp as wmdp  # noqa: E402
 
 __all__ = ["BENCHMARKS", "get_benchmark", "register_benchmark"]

@@ -32,3 +32,6 @@ __all__ = [
     "register_scenario",
     "tofu_assignments",
 ]
+
+from fedunlearn.scenarios import muse as muse  # noqa: E402  (registers "muse")
+from fedunlearn.scenarios import wmdp as wmdp  # noqa: E402  (registers "wmdp")

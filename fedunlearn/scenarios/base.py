@@ -142,16 +142,16 @@ class Scenario(ABC):
         return {}
 
     def sample_lines(self, before: dict[str, Any], after: dict[str, Any]) -> list[str]:
-        """Human-readable before/after lines of a few forget samples (for the server log)."""
+        """Human-readable before/after lines of the forget samples (for the server log): every
+        sample group whose name mentions "forget" (``forget``, ``knowmem_forget``, ...)."""
         lines = []
-        for b, a in zip(
-            before.get("samples", {}).get("forget", []),
-            after.get("samples", {}).get("forget", []),
-            strict=False,
-        ):
-            lines.append(f"forget: {b.get('question') or b.get('prompt', '')}")
-            lines.append(f"   before: {b.get('generation', b.get('chosen', ''))}")
-            lines.append(f"   after:  {a.get('generation', a.get('chosen', ''))}")
+        for group, samples in before.get("samples", {}).items():
+            if "forget" not in group:
+                continue
+            for b, a in zip(samples, after.get("samples", {}).get(group, []), strict=False):
+                lines.append(f"{group}: {b.get('question') or b.get('prompt', '')}")
+                lines.append(f"   before: {b.get('generation', b.get('chosen', ''))}")
+                lines.append(f"   after:  {a.get('generation', a.get('chosen', ''))}")
         return lines
 
 
