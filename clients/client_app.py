@@ -21,13 +21,14 @@ from clients.messages import encode_client_reply, rebuild_model, rebuild_tokeniz
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
-from fedunlearn.objectives.refusal import refusal_answers
-from fedunlearn.qa_format import encode_qa, encode_record
+from fedunlearn.objectives.refusal import refusal_examples
+from fedunlearn.qa_format import encode_record
 from fedunlearn.scenarios import Scenario, ScenarioParams, get_scenario
 from fedunlearn.training.lora import (
     LocalTrainSettings,
     LoraSettings,
     adapted_parameter_names,
+    parse_layers,
     train_lora_task_vector,
 )
 
@@ -62,14 +63,11 @@ def shard(records: list[dict], indices: list[int], what: str) -> list[dict]:
 
 def lora_settings(config: ConfigRecord) -> LoraSettings:
     """LoRA rank, alpha, target module names and (optionally) layer indices."""
-    layers = str(config["lora-layers"]).strip()
     return LoraSettings(
         rank=int(config["lora-rank"]),
         alpha=float(config["lora-alpha"]),
         target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
-        layers_to_transform=(
-            None if layers in ("", "all") else tuple(int(x) for x in layers.split(","))
-        ),
+        layers_to_transform=parse_layers(str(config["lora-layers"])),
     )
 
 
@@ -100,10 +98,8 @@ def train(msg: Message, context: Context) -> Message:
                 f"node {context.node_id}: objective {objective!r} needs question/answer "
                 "records (it prefers a refusal answer), but this shard holds plain text"
             )
-        refusals = refusal_answers([r["question"] for r in own], int(config["seed"]))
-        alternate_examples = [
-            encode_qa(tokenizer, r["question"], a) for r, a in zip(own, refusals, strict=True)
-        ]
+        questions = [r["question"] for r in own]
+        alternate_examples = refusal_examples(tokenizer, questions, int(config["seed"]))
     lora = lora_settings(config)
     names = adapted_parameter_names(model, lora)
     t_fisher = time.perf_counter()

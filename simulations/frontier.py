@@ -25,6 +25,12 @@ def matched_forgetting(
     about the same forgetting); ``forget_gap`` = |difference of the forget metric|.
     """
     rows = []
+    points = [
+        p
+        for p in points
+        if p["metrics"].get(forget_metric) is not None
+        and p["metrics"].get(utility_metric) is not None
+    ]
     anchors = [p for p in points if p["strategy"] == anchor]
     others = sorted({p["strategy"] for p in points} - {anchor})
     for a in anchors:

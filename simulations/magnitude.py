@@ -36,6 +36,8 @@ DEFAULT_GAMMAS = {"sum": 2.0, "fulm": 2.0, "firm": 8.0}
 def study(run_config: str, gammas: dict[str, float], output_dir: Path) -> dict[str, Any]:
     output_dir.mkdir(parents=True, exist_ok=True)
     flower = run_and_load_uploads(f"{SCENARIO} {run_config}".strip(), output_dir / "flower-run")
+    if flower.run_model.scenario.name != "tofu":
+        raise ValueError("the magnitude study is defined on the tofu scenario (author domains)")
     position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
     flower.updates.sort(key=lambda u: position[str(u.node_id)])  # domain 0, 1, 2, 3
     forget = [u for u in flower.updates if u.role == "forget"]

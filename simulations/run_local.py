@@ -152,7 +152,7 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     knows = ", ".join(
         f"{k} {v:.3f}"
         for k, v in info.items()
-        if k in scenario.summary_metrics or k.endswith("_exact_match")
+        if isinstance(v, float) and (k in scenario.summary_metrics or k.endswith("_exact_match"))
     )
     print(f"substrate ready: {folder.name} ({knows})", flush=True)
 

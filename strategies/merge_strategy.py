@@ -112,7 +112,10 @@ class MergeStrategy(Strategy):
                     "domain": assignment.domain,
                     "indices": list(assignment.indices),
                     "retain-indices": list(assignment.retain_indices),
-                    "seed": int(self.client_config.get("seed", 0)) * 1000 + position,
+                    # per client and round (round 1: seed·1000 + position)
+                    "seed": int(self.client_config.get("seed", 0)) * 1000
+                    + position
+                    + 1_000_003 * (server_round - 1),
                 }
             )
             content = RecordDict({"arrays": arrays, "config": node_config})

@@ -40,6 +40,7 @@ def main(grid: Grid, context: Context) -> None:
     run_model = load_run_model(settings)
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     reference = run_model.reference
+    settings = settings.for_model(int(model.config.num_hidden_layers))
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
 
@@ -79,6 +80,11 @@ def main(grid: Grid, context: Context) -> None:
 
     unlearned = copy.deepcopy(model)
     unlearned.load_state_dict(result.arrays.to_torch_state_dict())
+    applied_error = (
+        applied_update_error(model, unlearned, strategy.last_merge.delta)
+        if strategy.last_merge
+        else None
+    )
     t0 = time.perf_counter()
     metrics["after"] = evaluate_model(
         "unlearned", unlearned, run_model, settings, reference_metrics
@@ -93,6 +99,7 @@ def main(grid: Grid, context: Context) -> None:
         "merge": {
             **(strategy.last_merge.report if strategy.last_merge else {}),
             "seconds": strategy.merge_seconds,
+            "applied_relative_error": applied_error,
         },
         "substrate": run_model.info,
         "assignments": [
@@ -118,6 +125,20 @@ def main(grid: Grid, context: Context) -> None:
     for line in scenario.sample_lines(metrics["before"], metrics["after"]):
         log(INFO, "%s", line)
     log(INFO, "results written to %s", path)
+
+
+def applied_update_error(
+    original: torch.nn.Module, unlearned: torch.nn.Module, delta: dict[str, torch.Tensor]
+) -> float:
+    """‖(θ_unlearned − θ₀) − Δ‖ / ‖Δ‖: how much of the merged update the model's dtype kept
+    (0 in float32; a bfloat16 model rounds small entries of Δ away)."""
+    before, after = original.state_dict(), unlearned.state_dict()
+    num, den = 0.0, 0.0
+    for name, d in delta.items():
+        applied = after[name].double().cpu() - before[name].double().cpu()
+        num += float(((applied - d.double()) ** 2).sum())
+        den += float((d.double() ** 2).sum())
+    return (num / den) ** 0.5 if den > 0 else 0.0
 
 
 def client_settings(settings: RunSettings) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from typing import Any
 from fedunlearn.models.substrate import SubstrateConfig
 from fedunlearn.objectives import OBJECTIVES, objective_requirements
 from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
+from fedunlearn.training.lora import parse_layers
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -72,11 +73,11 @@ class RunSettings:
     satimp_beta2: float = 1.0
     kl_alpha: float = 1.0
     rmu_layer: int = -1  # -1 = the scenario's default
-    rmu_steering: float = 0.0  # 0 = the scenario's default
-    rmu_alpha: float = 0.0  # 0 = the scenario's default
+    rmu_steering: float = -1.0  # -1 = the scenario's default
+    rmu_alpha: float = -1.0  # -1 = the scenario's default
     client_threads: int = 1
     # merge (FIRM)
-    gamma: float = 8.0
+    gamma: float = 0.0  # 0 = the scenario's default
     alpha: float = 0.1
     eps0: float = 1e-8
     epsilon: float = math.inf
@@ -150,6 +151,26 @@ class RunSettings:
             )
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.data_path and not self.model_path:
+            raise ValueError(
+                "data-path (real benchmark files) needs model-path: the built-in substrate is "
+                "trained on the generated data and its reference would not match the files"
+            )
+        requirements = objective_requirements(self.objective)
+        if self.objective == "nll":
+            raise ValueError("objective 'nll' trains ON the forget data; pick a forget objective")
+        if requirements.needs_alternate and not SCENARIOS[self.scenario].qa_forget_data:
+            raise ValueError(
+                f"objective {self.objective!r} prefers a refusal answer to the forget answer, "
+                f"but the {self.scenario} scenario's forget clients hold plain text"
+            )
+        if requirements.needs_retain and self.local_retain_samples < 1:
+            raise ValueError(
+                f"objective {self.objective!r} needs retain data on the forget clients: set "
+                "local-retain-samples >= 1"
+            )
+        if self.lora_layers != "auto":
+            parse_layers(self.lora_layers)
         if not 0 < self.forget_percent < 100:
             raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
         for name in (
@@ -163,6 +184,8 @@ class RunSettings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        if self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
         if self.epsilon <= 0:
             raise ValueError(
                 f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}"
@@ -221,23 +244,34 @@ class RunSettings:
         ).split()
         options = {name: float(getattr(self, name)) for name in names}
         # left on "scenario default" and the scenario has none: the objective's own default
-        for name, unset in (("rmu_layer", -1.0), ("rmu_steering", 0.0), ("rmu_alpha", 0.0)):
+        for name, unset in (("rmu_layer", -1.0), ("rmu_steering", -1.0), ("rmu_alpha", -1.0)):
             if options[name] == unset:
                 del options[name]
         options["rmu_seed"] = float(self.seed)
         return options
 
     def lora_layer_indices(self) -> tuple[int, ...] | None:
-        """``lora-layers`` as layer indices; None (every layer) for "all" or ""."""
-        text = self.lora_layers.strip()
-        if text in ("", "all"):
-            return None
-        try:
-            return tuple(int(x) for x in text.split(",") if x.strip())
-        except ValueError:
+        """``lora-layers`` as layer indices; None = every layer."""
+        return parse_layers(self.lora_layers)
+
+    def for_model(self, num_hidden_layers: int) -> RunSettings:
+        """Settings completed for a model with ``num_hidden_layers`` decoder layers: an unset
+        ``rmu-layer`` becomes the middle layer L = n // 2 and ``lora-layers=auto`` the
+        scenario's choice for that depth (WMDP: L−1 and L; others: all layers). Raises when
+        a layer index lies outside the model."""
+        scenario = SCENARIOS[self.scenario]
+        layer = self.rmu_layer if self.rmu_layer >= 0 else num_hidden_layers // 2
+        lora_layers = self.lora_layers
+        if lora_layers == "auto":
+            lora_layers = scenario.default_lora_layers(num_hidden_layers, layer)
+        resolved = dataclasses.replace(self, rmu_layer=layer, lora_layers=lora_layers)
+        bad = [i for i in resolved.lora_layer_indices() or () if not 0 <= i < num_hidden_layers]
+        if bad or not 0 <= layer < num_hidden_layers:
             raise ValueError(
-                f"lora-layers must be 'all' or comma-separated layer indices, got {text!r}"
-            ) from None
+                f"the model has layers 0..{num_hidden_layers - 1}, but lora-layers="
+                f"{lora_layers!r} / rmu-layer={layer} point outside them"
+            )
+        return resolved
 
     def merge_parameters(self) -> dict[str, Any]:
         """Candidate merge keyword arguments; each merge takes those it names."""

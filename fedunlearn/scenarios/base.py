@@ -79,6 +79,13 @@ class Scenario(ABC):
     #: the metric that falls when forgetting works / the one that should stay high
     forget_metric: ClassVar[str]
     utility_metric: ClassVar[str]
+    #: whether forget clients hold QA (so refusal-preference objectives such as DPO apply)
+    qa_forget_data: ClassVar[bool] = False
+
+    @classmethod
+    def default_lora_layers(cls, num_hidden_layers: int, rmu_layer: int) -> str:
+        """``lora-layers`` when left on "auto", for a model of this depth ("all" or indices)."""
+        return "all"
 
     def __init__(self, params: ScenarioParams) -> None:
         self.params = params

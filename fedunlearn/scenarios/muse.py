@@ -30,9 +30,17 @@ from fedunlearn.scenarios.base import (
 MUSE_FORGET_DOMAIN = "muse-forget"
 
 
+#: the real MUSE-Books ``raw`` splits are whole books: cut them into passages of this size
+REAL_PASSAGE_CHARS = 2000
+
+
 @functools.lru_cache(maxsize=4)
 def _muse_data(seed: int, data_path: str) -> MuseData:
-    return load_muse_files(data_path) if data_path else generate_muse(seed)
+    """Generated data, or the real files (retain1 only as trainable retain text: MUSE keeps
+    retain2 away from unlearning methods)."""
+    if not data_path:
+        return generate_muse(seed)
+    return load_muse_files(data_path, chunk_chars=REAL_PASSAGE_CHARS, retain_splits=("retain1",))
 
 
 @register_scenario("muse")
@@ -44,10 +52,10 @@ class MuseScenario(Scenario):
     defaults = {
         "objective": "ga",
         "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "lora_layers": "all",
         "num_forget_clients": 3,
         "forget_steps": 12,
         "forget_lr": 1e-3,
+        "gamma": 3.0,
     }
     summary_metrics = (
         "knowmem_forget",
@@ -58,14 +66,18 @@ class MuseScenario(Scenario):
     )
     forget_metric = "knowmem_forget"
     utility_metric = "knowmem_retain"
+    qa_forget_data = False  # shards mix passages and QA: refusal preference does not apply
 
     def __init__(self, params: ScenarioParams) -> None:
         super().__init__(params)
         self.data = _muse_data(params.seed, params.data_path)
 
     def records(self) -> list[dict[str, Any]]:
-        """Forget passages, retain passages (:meth:`MuseData.text_records`), forget QA,
-        retain QA."""
+        """Forget passages, retain passages (:meth:`MuseData.text_records`), then — for
+        generated data, whose QA the model was trained on — forget QA and retain QA. With the
+        real files the QA are KnowMem's test questions and stay out of training."""
+        if self.params.data_path:
+            return self.data.text_records()
         return self.data.text_records() + self.data.forget_qa + self.data.retain_qa
 
     def _pools(self) -> tuple[list[int], list[int]]:
@@ -73,12 +85,11 @@ class MuseScenario(Scenario):
         records = self.records()
         n_forget_p = len(self.data.forget_passages)
         n_text = len(self.data.text_records())
-        forget = list(range(n_forget_p)) + list(range(n_text, n_text + len(self.data.forget_qa)))
+        n_forget_qa = len(self.data.forget_qa) if len(records) > n_text else 0
+        forget = list(range(n_forget_p)) + list(range(n_text, n_text + n_forget_qa))
         books = list(dict.fromkeys(records[i].get("book", "") for i in forget))
         forget.sort(key=lambda i: (books.index(records[i].get("book", "")), i))
-        retain = list(range(n_forget_p, n_text)) + list(
-            range(n_text + len(self.data.forget_qa), len(records))
-        )
+        retain = list(range(n_forget_p, n_text)) + list(range(n_text + n_forget_qa, len(records)))
         return forget, retain
 
     def assignments(self) -> list[ClientAssignment]:

@@ -168,10 +168,10 @@ class TofuScenario(Scenario):
     defaults = {
         "objective": "ga",
         "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "lora_layers": "all",
         "num_forget_clients": 5,
         "forget_steps": 12,
         "forget_lr": 1e-3,
+        "gamma": 8.0,
     }
     summary_metrics = (
         "forget_rouge_l",
@@ -184,6 +184,7 @@ class TofuScenario(Scenario):
     )
     forget_metric = "forget_rouge_l"
     utility_metric = "model_utility"
+    qa_forget_data = True
 
     def __init__(self, params: ScenarioParams) -> None:
         super().__init__(params)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,9 +33,23 @@ from fedunlearn.scenarios.base import (
 )
 
 
+#: documents kept per corpus of the real WMDP files (the bio retain corpus alone is ~0.9 GB)
+MAX_CORPUS_DOCUMENTS = 2000
+
+
 @functools.lru_cache(maxsize=4)
 def _wmdp_data(seed: int, data_path: str) -> WmdpData:
-    return load_wmdp_files(data_path) if data_path else generate_wmdp(seed)
+    """Generated data, or the real files: ``<data-path>`` holds the ``wmdp-<domain>`` question
+    files and the corpora, ``<data-path>/mmlu`` (when present) an MMLU copy for the general
+    questions."""
+    if not data_path:
+        return generate_wmdp(seed)
+    mmlu = Path(data_path) / "mmlu"
+    return load_wmdp_files(
+        data_path,
+        mmlu_path=mmlu if mmlu.is_dir() else None,
+        max_corpus_documents=MAX_CORPUS_DOCUMENTS,
+    )
 
 
 @register_scenario("wmdp")
@@ -50,13 +65,12 @@ class WmdpScenario(Scenario):
     defaults = {
         "objective": "rmu",
         "lora_targets": "down_proj",
-        "lora_layers": "1,2",
-        "rmu_layer": 2,
-        "rmu_steering": 6.5,
+        "rmu_steering": 100.0,
         "rmu_alpha": 100.0,
         "num_forget_clients": 6,
         "forget_steps": 30,
-        "forget_lr": 1e-3,
+        "forget_lr": 5e-3,
+        "gamma": 4.0,
     }
     summary_metrics = (
         "forget_accuracy",
@@ -67,6 +81,12 @@ class WmdpScenario(Scenario):
     )
     forget_metric = "forget_accuracy"
     utility_metric = "general_accuracy"
+
+    @classmethod
+    def default_lora_layers(cls, num_hidden_layers: int, rmu_layer: int) -> str:
+        """LoRA on the MLP down-projections of the steered layer L and the one before it
+        (the built-in 4-layer model: layers 1 and 2, steering layer 2)."""
+        return ",".join(str(i) for i in range(max(0, rmu_layer - 1), rmu_layer + 1))
 
     def __init__(self, params: ScenarioParams) -> None:
         super().__init__(params)
@@ -101,7 +121,10 @@ class WmdpScenario(Scenario):
             if len(units) < len(group) or "" in by_entity:  # loaded data: no entities
                 units = [[i] for i in self.data.text_indices(domain)]
             if len(units) < len(group):
-                raise ValueError(f"domain {domain} has fewer documents than its clients")
+                raise ValueError(
+                    f"domain {domain} has {len(units)} documents, fewer than its "
+                    f"{len(group)} forget clients"
+                )
             for shard in split_contiguous(units, len(group)):
                 indices = tuple(i for unit in shard for i in unit)
                 clients.append(ClientAssignment("forget", domain, indices))
@@ -129,7 +152,7 @@ class WmdpScenario(Scenario):
         return [{"text": t} for t in wmdp_knowledge_texts(self.data, domains)]
 
     def reference_name(self) -> str:
-        return "reference-without-" + "-".join(self.forget_domains)
+        return "reference-without-" + "-".join(sorted(self.forget_domains))
 
     def evaluate(
         self,

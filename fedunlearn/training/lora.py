@@ -73,6 +73,22 @@ def lora_config(lora: LoraSettings) -> LoraConfig:
     )
 
 
+def parse_layers(text: str) -> tuple[int, ...] | None:
+    """``"1,2"`` → (1, 2); ``"all"`` or ``""`` → None (every layer). Clear error otherwise."""
+    text = text.strip()
+    if text in ("", "all"):
+        return None
+    try:
+        layers = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(
+            f"LoRA layers must be 'all' or comma-separated layer indices, got {text!r}"
+        ) from None
+    if any(i < 0 for i in layers):
+        raise ValueError(f"LoRA layer indices must be >= 0, got {text!r}")
+    return layers
+
+
 def adapted_parameter_names(model: torch.nn.Module, lora: LoraSettings) -> list[str]:
     """Names of the base weights LoRA will adapt (``...q_proj.weight`` etc.).
 
@@ -199,7 +215,8 @@ def train_lora_task_vector(
             loss = objective(peft_model, next(batches), context)
             if not math.isfinite(loss.item()):
                 raise FloatingPointError(
-                    f"objective {train.objective!r} produced a non-finite loss"
+                    f"objective {train.objective!r} produced a non-finite loss "
+                    f"({loss.item()}) at step {len(losses) + 1} of {train.steps}"
                 )
             optimizer.zero_grad(set_to_none=True)
             loss.backward()

@@ -39,3 +39,41 @@ def test_output_dir_must_be_absolute(tmp_path):
         RunSettings(output_dir="relative/out").resolved_output_dir()
     default = RunSettings().resolved_output_dir()
     assert default.is_absolute() and default.parent.name == "outputs"
+
+
+def test_scenario_defaults_fill_only_unset_keys():
+    wmdp = RunSettings.from_run_config({"scenario": "wmdp"})
+    assert (wmdp.objective, wmdp.lora_targets, wmdp.num_forget_clients) == ("rmu", "down_proj", 6)
+    assert wmdp.rmu_steering == 100.0 and wmdp.rmu_alpha == 100.0
+    # an explicit value equal to nothing special is kept, also 0 (an RMU ablation)
+    ablation = RunSettings.from_run_config({"scenario": "wmdp", "rmu-alpha": 0.0, "gamma": 2.0})
+    assert ablation.rmu_alpha == 0.0 and ablation.gamma == 2.0
+    assert RunSettings.from_run_config({"scenario": "muse"}).gamma == 3.0
+
+
+def test_layer_defaults_follow_the_model_depth():
+    wmdp = RunSettings.from_run_config({"scenario": "wmdp"})
+    assert (wmdp.for_model(4).rmu_layer, wmdp.for_model(4).lora_layers) == (2, "1,2")
+    assert (wmdp.for_model(32).rmu_layer, wmdp.for_model(32).lora_layers) == (16, "15,16")
+    assert RunSettings.from_run_config({}).for_model(4).lora_layer_indices() is None
+    with pytest.raises(ValueError, match="layers 0..3"):
+        RunSettings.from_run_config({"scenario": "wmdp", "rmu-layer": 7}).for_model(4)
+    with pytest.raises(ValueError, match="LoRA layers"):
+        RunSettings.from_run_config({"lora-layers": "one,two"})
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"data-path": "/data/tofu"}, "needs model-path"),
+        ({"objective": "nll"}, "forget objective"),
+        ({"objective": "dpo", "scenario": "wmdp"}, "plain text"),
+        ({"objective": "idk", "scenario": "muse"}, "plain text"),
+        ({"objective": "graddiff", "local-retain-samples": 0}, "local-retain-samples"),
+        ({"objective": "nope"}, "objective 'nope' is unknown"),
+        ({"scenario": "nope"}, "scenario 'nope' is not available"),
+    ],
+)
+def test_combinations_refused_before_anything_runs(config, message):
+    with pytest.raises(ValueError, match=message):
+        RunSettings.from_run_config(config)

@@ -1,0 +1,50 @@
+"""End to end: the wmdp and muse scenarios as real Flower simulations with their defaults.
+
+Each builds (or reuses) its cached built-in substrate, runs the scenario's clients on Ray,
+merges with FIRM and checks from ``results.json`` that the forget knowledge went down while
+utility stayed within a bound. Thresholds come from measured default runs (numbers in the
+comments) with head-room for float differences between machines.
+"""
+
+import json
+
+import pytest
+
+from simulations import run_local
+
+pytestmark = pytest.mark.slow
+
+
+def _run(tmp_path_factory, scenario: str) -> dict:
+    root = tmp_path_factory.mktemp(scenario)
+    path = run_local.run(
+        run_config=f"scenario='{scenario}'",
+        output_dir=root / "out",
+        flwr_home=root / "flwr_home",
+    )
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def muse(tmp_path_factory):
+    return _run(tmp_path_factory, "muse")
+
+
+@pytest.fixture(scope="module")
+def wmdp(tmp_path_factory):
+    return _run(tmp_path_factory, "wmdp")
+
+
+def test_muse_clients_and_forgetting(muse):
+    # measured (γ = 3): KnowMem forget 0.875 → 0.558 (retrained reference 0.254), VerbMem
+    # 0.583 → 0.553, KnowMem retain 0.862 → 0.635; PrivLeak AUC stays 1.0 (reference 0.61)
+    clients = muse["clients"]
+    assert sorted(c["role"] for c in clients) == ["forget"] * 3 + ["retain"]
+    assert all("excluded" not in c for c in clients)
+    before, after = muse["metrics"]["before"], muse["metrics"]["after"]
+    reference = muse["metrics"]["reference"]
+    assert before["knowmem_forget"] >= 0.8 and reference["knowmem_forget"] <= 0.4
+    assert after["knowmem_forget"] <= before["knowmem_forget"] - 0.2
+    assert after["verbmem_forget"] < before["verbmem_forget"]
+    assert after["knowmem_retain"] >= before["knowmem_retain"] - 0.3
+    assert after["privleak"] is not None and reference["privleak_auc"] < before["privleak_auc"]
