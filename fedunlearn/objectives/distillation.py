@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from fedunlearn.objectives import ObjectiveContext, reference_logits, register_objective
 from fedunlearn.objectives.common import model_logits, shifted
@@ -27,8 +26,13 @@ def undial_loss(
     beta = context.option("undial_beta", UNDIAL_BETA)
     logits, labels, mask = shifted(model_logits(model, batch), batch["labels"])
     teacher, _, _ = shifted(reference_logits(model, batch, context), batch["labels"])
-    onehot = F.one_hot(labels.clamp(min=0), teacher.size(-1)).to(teacher.dtype)
-    target = torch.softmax(teacher - beta * onehot, dim=-1)
+    # z_ref − β·onehot(y) without materialising a [batch, time, vocab] one-hot tensor
+    adjusted = teacher.scatter_add(
+        -1,
+        labels.clamp(min=0).unsqueeze(-1),
+        torch.full_like(teacher[..., :1], -beta),
+    )
+    target = torch.softmax(adjusted, dim=-1)
     ce = -(target * torch.log_softmax(logits, dim=-1)).sum(dim=-1)
     return (ce * mask).sum() / mask.sum().clamp(min=1)
 
