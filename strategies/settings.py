@@ -15,7 +15,7 @@ from fedunlearn.objectives import OBJECTIVES, objective_requirements
 from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
 from fedunlearn.training.lora import parse_layers
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16")  # float16 would need loss scaling
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     """Run-config ``dtype`` → torch dtype; ``auto`` is bfloat16 on CUDA, float32 on CPU."""
     if name == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16}  # no fp16: no loss scaling
     if name not in dtypes:
         raise ValueError(f"dtype must be auto or one of {sorted(dtypes)}, got {name!r}")
     return dtypes[name]

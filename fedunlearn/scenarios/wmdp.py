@@ -32,7 +32,6 @@ from fedunlearn.scenarios.base import (
     with_local_retain,
 )
 
-
 #: documents kept per corpus of the real WMDP files (the bio retain corpus alone is ~0.9 GB)
 MAX_CORPUS_DOCUMENTS = 2000
 
