@@ -1,0 +1,58 @@
+"""MPU — multiple perturbed copies unlearning, server-side tensor core (SPEC §3).
+
+Pure torch (no Flower). Per round r and forget client the server
+
+1. derives seeds from its secret (:mod:`.keys`),
+2. draws zero-sum layer noise ε⁰_k with σ_ℓ = κ·RMS(v_ℓ) and scales α_k (:mod:`.noise`),
+3. publishes θ_pub,k = T_k(θ + α_k ε⁰_k) with a secret function-preserving T_k (:mod:`.reparam`),
+4. maps each returned update back, Δ̂_k = T_k⁻¹(Δ_k), and aggregates harmonically,
+   Δ̄ = S₁/S₀ (:mod:`.aggregate`).
+"""
+
+from .aggregate import HarmonicAggregator, plain_mean
+from .keys import DEFAULT_SECRET_ENV_VAR, ServerSecret, derive_seed, server_secret
+from .noise import (
+    LAYER_PATTERN,
+    alphas,
+    layer_groups,
+    layer_sigmas,
+    noisy_copy,
+    sigma_per_tensor,
+    zero_sum_noise,
+)
+from .reparam import (
+    LayerTransform,
+    ReparamDims,
+    apply_transform,
+    draw_transform,
+    draw_transforms,
+    invert_delta,
+    invert_lora,
+    invert_transform,
+    parse_target,
+)
+
+__all__ = [
+    "DEFAULT_SECRET_ENV_VAR",
+    "LAYER_PATTERN",
+    "HarmonicAggregator",
+    "LayerTransform",
+    "ReparamDims",
+    "ServerSecret",
+    "alphas",
+    "apply_transform",
+    "derive_seed",
+    "draw_transform",
+    "draw_transforms",
+    "invert_delta",
+    "invert_lora",
+    "invert_transform",
+    "layer_groups",
+    "layer_sigmas",
+    "noisy_copy",
+    "parse_target",
+    "plain_mean",
+    "server_secret",
+    "sigma_per_tensor",
+    "zero_sum_noise",
+]
