@@ -226,7 +226,9 @@ def _check_dim(name: str, actual: int, expected: int, what: str) -> None:
         raise ValueError(f"{name}: {what} has size {actual}, expected {expected} for this layer")
 
 
-def _rows(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) -> Tensor:
+def _rows(
+    x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str, square: bool = False
+) -> Tensor:
     d = tf.dims
     if kind in ("gate", "up"):
         _check_dim(name, x.shape[0], d.intermediate_size, "output dim")
@@ -236,7 +238,7 @@ def _rows(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) ->
     heads = h_kv * (n_rep if kind == "q" else 1)
     _check_dim(name, x.shape[0], heads * d_h, "output dim")
     mats = tf.vo_orth if kind == "v" else tf.rope_rotations()
-    mats = mats.to(x.device)
+    mats = mats.to(x.device) ** 2 if square else mats.to(x.device)
     rest = x.shape[1:]
     y = x.to(torch.float64).reshape(h_kv, heads // h_kv, d_h, -1)  # (g, r, d_h, rest)
     perm = tf.group_perm.to(x.device) if tf.group_perm is not None else None
@@ -251,7 +253,9 @@ def _rows(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) ->
     return y.reshape(x.shape[0], *rest).to(x.dtype)
 
 
-def _cols(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) -> Tensor:
+def _cols(
+    x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str, square: bool = False
+) -> Tensor:
     d = tf.dims
     if kind == "down":
         _check_dim(name, x.shape[-1], d.intermediate_size, "input dim")
@@ -261,7 +265,7 @@ def _cols(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) ->
     h_kv, d_h, n_rep = d.num_key_value_heads, d.head_dim, d.group_size
     _check_dim(name, x.shape[-1], h_kv * n_rep * d_h, "input dim")
     lead = x.shape[:-1]
-    mats = tf.vo_orth.to(x.device)
+    mats = tf.vo_orth.to(x.device) ** 2 if square else tf.vo_orth.to(x.device)
     y = x.to(torch.float64).reshape(-1, h_kv, n_rep, d_h)  # (o, g, r, d_h)
     perm = tf.group_perm.to(x.device) if tf.group_perm is not None else None
     if not inverse:
@@ -276,7 +280,11 @@ def _cols(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) ->
 
 
 def _map_tensor(
-    name: str, x: Tensor, transforms: Mapping[int, LayerTransform], inverse: bool
+    name: str,
+    x: Tensor,
+    transforms: Mapping[int, LayerTransform],
+    inverse: bool,
+    square: bool = False,
 ) -> Tensor | None:
     """T (or T⁻¹) on one state-dict tensor; None when T leaves it unchanged."""
     target = parse_target(name)
@@ -288,21 +296,24 @@ def _map_tensor(
         return None
     is_bias = name.endswith(".bias")
     if kind in _ROW_KINDS:
-        return _rows(x, kind, tf, inverse, name)
+        return _rows(x, kind, tf, inverse, name, square)
     if is_bias:  # o/down bias lives in the hidden space, which T does not touch
         return None
     if x.dim() < 2:
         raise ValueError(f"{name}: expected a weight matrix, got shape {tuple(x.shape)}")
-    return _cols(x, kind, tf, inverse, name)
+    return _cols(x, kind, tf, inverse, name, square)
 
 
 def _map_state(
-    state: Mapping[str, Tensor], transforms: Mapping[int, LayerTransform], inverse: bool
+    state: Mapping[str, Tensor],
+    transforms: Mapping[int, LayerTransform],
+    inverse: bool,
+    square: bool = False,
 ) -> dict[str, Tensor]:
     out: dict[str, Tensor] = {}
     with torch.no_grad():
         for name, x in state.items():
-            mapped = _map_tensor(name, x.detach(), transforms, inverse)
+            mapped = _map_tensor(name, x.detach(), transforms, inverse, square)
             out[name] = x if mapped is None else mapped
     return out
 
@@ -335,6 +346,19 @@ def invert_delta(
     T⁻¹(θ' + Δ) − T⁻¹(θ') = T⁻¹(Δ): the update maps back exactly like a weight does.
     """
     return _map_state(delta, transforms, inverse=True)
+
+
+def invert_fisher(
+    fisher: Mapping[str, Tensor], transforms: Mapping[int, LayerTransform]
+) -> dict[str, Tensor]:
+    """A Fisher diagonal measured on copy k, mapped to original coordinates.
+
+    For W' = M·W (and column maps alike) the chain rule gives F(a) = Σ_b M_ba² F'(b) when the
+    copy's Fisher is diagonal: the inverse map with every matrix entry squared. Exact for the
+    permutations; for the rotations and orthogonal maps it drops the off-diagonal Fisher terms
+    (the diagonal approximation every Fisher-based merge makes anyway). Stays non-negative.
+    """
+    return _map_state(fisher, transforms, inverse=True, square=True)
 
 
 def invert_lora(
