@@ -14,7 +14,7 @@ import json
 import time
 
 import torch
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
 from clients.messages import encode_client_reply, rebuild_model, rebuild_tokenizer
@@ -73,14 +73,17 @@ def lora_settings(config: ConfigRecord) -> LoraSettings:
 
 @app.train()
 def train(msg: Message, context: Context) -> Message:
-    """Fisher at the received weights, then LoRA training with the role's objective."""
+    """Fisher at the received weights, then LoRA training with the role's objective.
+
+    With ``mpu-copies`` = m the message holds m published copies (``arrays-0`` ...); the
+    client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
+    """
     config = msg.content["config"]
     role = str(config["role"])
     if role not in ROLES:
         raise ValueError(f"node {context.node_id}: unknown role {role!r} (expected {ROLES})")
     torch.set_num_threads(max(1, int(config.get("client-threads", 1))))
     started = time.perf_counter()
-    model = rebuild_model(config, msg.content["arrays"])
     tokenizer = rebuild_tokenizer(config)
     records = client_scenario(config, context).records()
     own = shard(records, [int(i) for i in config["indices"]], "shard")
@@ -100,20 +103,6 @@ def train(msg: Message, context: Context) -> Message:
             )
         questions = [r["question"] for r in own]
         alternate_examples = refusal_examples(tokenizer, questions, int(config["seed"]))
-    lora = lora_settings(config)
-    names = adapted_parameter_names(model, lora)
-    t_fisher = time.perf_counter()
-    fisher = empirical_fisher_diagonal(
-        model,
-        examples,
-        names,
-        pad_token_id=tokenizer.pad_token_id,
-        num_batches=int(config["fisher-batches"]),
-    )
-    fisher_seconds = time.perf_counter() - t_fisher
-    if bool(config.get("load-in-4bit", False)):
-        # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
-        model = quantize_4bit(model)
     settings = LocalTrainSettings(
         objective=objective,
         steps=int(config["steps"]),
@@ -122,10 +111,80 @@ def train(msg: Message, context: Context) -> Message:
         seed=int(config["seed"]),
         options=json.loads(str(config["objective-options-json"])),
     )
+    copies = int(config.get("mpu-copies", 0))
+    received = (
+        [msg.content["arrays"]]
+        if copies == 0
+        else [msg.content[f"arrays-{k}"] for k in range(copies)]
+    )
+    outputs = []
+    for arrays in received:
+        model = rebuild_model(config, arrays)
+        outputs.append(
+            local_update(
+                model,
+                examples,
+                config,
+                settings,
+                pad_token_id=tokenizer.pad_token_id,
+                retain_examples=retain_examples,
+                alternate_examples=alternate_examples,
+            )
+        )
+    metrics = {
+        **outputs[-1][2],
+        "fisher-seconds": sum(o[2]["fisher-seconds"] for o in outputs),
+        "train_seconds": sum(o[2]["train_seconds"] for o in outputs),
+        "total-seconds": time.perf_counter() - started,
+        "task-vector-norm": outputs[-1][2]["task-vector-norm"],
+        "bytes-sent": sum(o[2]["bytes-sent"] for o in outputs),
+    }
+    content = encode_client_reply(
+        role=role,
+        domain=str(config["domain"]),
+        objective=objective,
+        num_examples=len(examples),
+        task_vector=outputs[0][0],
+        fisher=outputs[0][1],
+        metrics=metrics,
+    )
+    if copies:
+        del content["task_vector"], content["fisher"]
+        for k, (task_vector, fisher, _) in enumerate(outputs):
+            content[f"task_vector-{k}"] = ArrayRecord(task_vector)
+            content[f"fisher-{k}"] = ArrayRecord(fisher)
+    return Message(content=content, reply_to=msg)
+
+
+def local_update(
+    model: torch.nn.Module,
+    examples: list,
+    config: ConfigRecord,
+    settings: LocalTrainSettings,
+    *,
+    pad_token_id: int,
+    retain_examples: list | None,
+    alternate_examples: list | None,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """Fisher diagonal at ``model``'s weights, then a LoRA task vector (SPEC §1)."""
+    lora = lora_settings(config)
+    names = adapted_parameter_names(model, lora)
+    t_fisher = time.perf_counter()
+    fisher = empirical_fisher_diagonal(
+        model,
+        examples,
+        names,
+        pad_token_id=pad_token_id,
+        num_batches=int(config["fisher-batches"]),
+    )
+    fisher_seconds = time.perf_counter() - t_fisher
+    if bool(config.get("load-in-4bit", False)):
+        # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
+        model = quantize_4bit(model)
     task_vector, stats = train_lora_task_vector(
         model,
         examples,
-        pad_token_id=tokenizer.pad_token_id,
+        pad_token_id=pad_token_id,
         lora=lora,
         train=settings,
         retain_examples=retain_examples,
@@ -137,18 +196,8 @@ def train(msg: Message, context: Context) -> Message:
     metrics = {
         **stats,
         "fisher-seconds": fisher_seconds,
-        "total-seconds": time.perf_counter() - started,
         "task-vector-norm": tv_norm,
         "bytes-sent": float(upload),
         "cuda": float(next(model.parameters()).is_cuda),
     }
-    content = encode_client_reply(
-        role=role,
-        domain=str(config["domain"]),
-        objective=objective,
-        num_examples=len(examples),
-        task_vector=task_vector,
-        fisher=fisher,
-        metrics=metrics,
-    )
-    return Message(content=content, reply_to=msg)
+    return task_vector, fisher, metrics

@@ -57,6 +57,8 @@ class MergeStrategy(Strategy):
         Extra settings per role (``forget`` / ``retain``), e.g. steps and learning rate.
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for enough nodes to connect.
+    server_lr : float (default: 1.0)
+        η_srv in θ ← θ + η_srv·Δ.
     """
 
     def __init__(
@@ -68,6 +70,7 @@ class MergeStrategy(Strategy):
         client_config: Mapping[str, Any] | None = None,
         role_config: Mapping[str, Mapping[str, Any]] | None = None,
         node_wait_timeout: float = 120.0,
+        server_lr: float = 1.0,
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -78,6 +81,7 @@ class MergeStrategy(Strategy):
         self.client_config = dict(client_config or {})
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
         self.node_wait_timeout = node_wait_timeout
+        self.server_lr = server_lr
         self.node_assignment: dict[int, ClientAssignment] = {}
         self.global_arrays: ArrayRecord | None = None
         self.last_merge: MergeResult | None = None
@@ -118,7 +122,7 @@ class MergeStrategy(Strategy):
                     + 1_000_003 * (server_round - 1),
                 }
             )
-            content = RecordDict({"arrays": arrays, "config": node_config})
+            content = self.node_content(server_round, position, arrays, node_config)
             messages.append(
                 Message(
                     content=content,
@@ -128,6 +132,18 @@ class MergeStrategy(Strategy):
                 )
             )
         return messages
+
+    def node_content(
+        self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
+    ) -> RecordDict:
+        """What node ``position`` receives: here the exact global weights (MPU overrides)."""
+        return RecordDict({"arrays": arrays, "config": node_config})
+
+    def decode_reply(
+        self, server_round: int, node_id: int, content: RecordDict
+    ) -> tuple[ClientUpdate, dict[str, Any]]:
+        """A reply as a ``ClientUpdate`` in the server's coordinates (MPU overrides)."""
+        return decode_client_reply(node_id, content)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -146,7 +162,7 @@ class MergeStrategy(Strategy):
                 self.client_reports.append(report)
                 continue
             try:
-                update, metrics = decode_client_reply(node_id, reply.content)
+                update, metrics = self.decode_reply(server_round, node_id, reply.content)
                 if assignment is not None and update.role != assignment.role:
                     raise ValueError(
                         f"client {node_id}: replied as role {update.role!r} but was assigned "
@@ -172,6 +188,11 @@ class MergeStrategy(Strategy):
                 loss_last=float(metrics.get("loss_last", 0.0)),
                 cuda=bool(metrics.get("cuda", 0.0)),
             )
+            if "mpu-copies" in metrics:
+                report.update(
+                    mpu_copies=int(metrics["mpu-copies"]),
+                    bytes_received=int(metrics["bytes-received"]),
+                )
             self.client_reports.append(report)
         if not any(u.role == "forget" for u in updates):
             reasons = [r.get("excluded", "") for r in self.client_reports]
@@ -194,7 +215,10 @@ class MergeStrategy(Strategy):
             )
         self.merge_seconds = time.perf_counter() - started
         self.last_merge = result
-        state = apply_delta(self.global_arrays.to_torch_state_dict(), result.delta)
+        delta = result.delta
+        if self.server_lr != 1.0:
+            delta = {k: self.server_lr * v for k, v in delta.items()}
+        state = apply_delta(self.global_arrays.to_torch_state_dict(), delta)
         metrics = MetricRecord(
             {
                 "num-updates": len(updates),

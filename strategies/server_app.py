@@ -16,8 +16,10 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model, wire_state
+from fedunlearn.mpu import server_secret
 from fedunlearn.uploads import save_uploads
 from strategies.merge_strategy import MergeStrategy
+from strategies.mpu_strategy import MpuStrategy
 from strategies.results import format_summary_table, json_safe
 from strategies.run_setup import evaluate_model, load_run_model
 from strategies.settings import RunSettings
@@ -57,17 +59,30 @@ def main(grid: Grid, context: Context) -> None:
         **describe_model(model, tokenizer),
         **client_settings(settings),
     }
-    strategy = MergeStrategy(
-        merge=settings.strategy,
-        merge_parameters=settings.merge_parameters(),
-        assignments=assignments,
-        client_config=client_config,
-        role_config={
+    common = {
+        "merge_parameters": settings.merge_parameters(),
+        "assignments": assignments,
+        "client_config": client_config,
+        "role_config": {
             "forget": {"steps": settings.forget_steps, "lr": settings.forget_lr},
             "retain": {"steps": settings.retain_steps, "lr": settings.retain_lr},
         },
-        node_wait_timeout=settings.node_wait_timeout,
-    )
+        "node_wait_timeout": settings.node_wait_timeout,
+    }
+    if settings.strategy == "mpu":
+        strategy: MergeStrategy = MpuStrategy(
+            merge=settings.mpu_merge,
+            model_config=model.config,
+            secret=server_secret(settings.mpu_secret),
+            mode=settings.mpu_mode,
+            copies=settings.mpu_copies,
+            kappa=settings.mpu_kappa,
+            permute_groups=settings.mpu_permute_groups,
+            server_lr=settings.mpu_server_lr,
+            **common,
+        )
+    else:
+        strategy = MergeStrategy(merge=settings.strategy, **common)
     t0 = time.perf_counter()
     result = strategy.start(
         grid=grid,

@@ -82,6 +82,14 @@ class RunSettings:
     eps0: float = 1e-8
     epsilon: float = math.inf
     solver: str = "exact"
+    # MPU (strategy=mpu): perturbed, reparameterised copies around the merge mpu-merge
+    mpu_merge: str = "firm"
+    mpu_mode: str = "mpu"
+    mpu_copies: int = 2
+    mpu_kappa: float = 0.01
+    mpu_permute_groups: bool = True
+    mpu_secret: str = ""
+    mpu_server_lr: float = 1.0
     # baselines
     ties_k: float = 0.2
     fulm_threshold: float = 0.6
@@ -171,6 +179,13 @@ class RunSettings:
             )
         if self.lora_layers != "auto":
             parse_layers(self.lora_layers)
+        if self.strategy == "mpu":
+            if self.mpu_mode not in ("mpu", "clean", "noised"):
+                raise ValueError(f"mpu-mode must be mpu, clean or noised, got {self.mpu_mode!r}")
+            if self.mpu_mode == "mpu" and self.mpu_copies < 2:
+                raise ValueError(f"mpu-copies must be >= 2, got {self.mpu_copies}")
+            if self.mpu_merge == "mpu":
+                raise ValueError("mpu-merge names the merge MPU wraps; it cannot be 'mpu'")
         if not 0 < self.forget_percent < 100:
             raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
         for name in (
@@ -282,9 +297,10 @@ class RunSettings:
             "epsilon": self.epsilon,
             "solver": self.solver,
         }
-        if self.strategy == "ties":
+        merge = self.mpu_merge if self.strategy == "mpu" else self.strategy
+        if merge == "ties":
             params["k"] = self.ties_k
-        elif self.strategy in ("fulm", "fulm-mean"):
+        elif merge in ("fulm", "fulm-mean"):
             params.update(k=self.fulm_k, threshold=self.fulm_threshold)
         return params
 
@@ -311,4 +327,6 @@ class RunSettings:
 
     def as_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
+        if out["mpu_secret"]:
+            out["mpu_secret"] = ""  # the server secret is never written to results
         return {k.replace("_", "-"): (str(v) if v == math.inf else v) for k, v in out.items()}

@@ -1,0 +1,61 @@
+"""strategy=mpu in real Flower simulations: any inner merge, the baselines, several rounds."""
+
+import json
+
+import pytest
+
+from simulations import run_local
+
+pytestmark = pytest.mark.slow
+
+SMALL_RUN = (
+    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
+    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tiny_tokenizer):
+    from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
+
+    config = tiny_llama_config(
+        len(tiny_tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("ckpt")
+    new_tiny_llama(config, seed=0).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "mpu-merge='firm' mpu-copies=2 num-rounds=2",
+        "mpu-merge='sum' mpu-copies=3",
+        "mpu-merge='fulm' mpu-mode='noised'",
+        "mpu-merge='firm' mpu-mode='clean'",
+    ],
+)
+def test_mpu_through_flower(tmp_path, checkpoint, options):
+    path = run_local.run(
+        run_config=f"model-path='{checkpoint}' strategy='mpu' {options} {SMALL_RUN}",
+        output_dir=tmp_path / "out",
+        flwr_home=tmp_path / "flwr_home",
+    )
+    results = json.loads(path.read_text())
+    config = results["config"]
+    assert config["strategy"] == "mpu" and config["mpu-secret"] == ""
+    copies = 1 if config["mpu-mode"] != "mpu" else config["mpu-copies"]
+    assert len(results["clients"]) == 3
+    for client in results["clients"]:
+        assert "excluded" not in client
+        assert client["mpu_copies"] == copies
+        assert client["bytes_received"] > 0
+    assert results["merge"]["method"] == config["mpu-merge"].split("-")[0]
+    assert results["merge"]["norm_final"] > 0
+    assert results["metrics"]["after"] != results["metrics"]["before"]

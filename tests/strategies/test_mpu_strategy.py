@@ -1,0 +1,99 @@
+"""What the MPU strategy puts on the wire, and how it maps replies back."""
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+
+from fedunlearn.scenarios import ClientAssignment
+from strategies.mpu_strategy import MpuStrategy
+
+NODE = 17
+
+
+def _strategy(model, mode, copies=2):
+    strategy = MpuStrategy(
+        merge="sum",
+        model_config=model.config,
+        secret=b"server-secret-for-tests",
+        mode=mode,
+        copies=copies,
+        kappa=0.05,
+        assignments=[ClientAssignment("forget", "d", (0, 1))],
+    )
+    strategy.node_assignment = {NODE: strategy.assignments[0]}
+    return strategy
+
+
+def _state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_mpu_copies_never_equal_the_server_weights(tiny_model):
+    state = _state(tiny_model)
+    strategy = _strategy(tiny_model, "mpu", copies=3)
+    content = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord({"x": 1}))
+    assert content["config"]["mpu-copies"] == 3
+    for k in range(3):
+        sent = content[f"arrays-{k}"].to_torch_state_dict()
+        assert sent.keys() == state.keys()
+        for name, value in state.items():
+            if ".layers." in name:  # every decoder-layer tensor is perturbed and hidden
+                assert not torch.equal(sent[name], value), (k, name)
+            else:  # embeddings, final norm, LM head are published as they are (SPEC §3)
+                assert torch.equal(sent[name], value), (k, name)
+    again = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord({}))
+    assert torch.equal(  # keys derive from the secret: the same round gives the same copies
+        again["arrays-1"].to_torch_state_dict()["model.layers.0.mlp.up_proj.weight"],
+        content["arrays-1"].to_torch_state_dict()["model.layers.0.mlp.up_proj.weight"],
+    )
+
+
+def test_clean_sends_the_exact_weights_and_noised_one_noisy_copy(tiny_model):
+    state = _state(tiny_model)
+    clean = _strategy(tiny_model, "clean").node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    assert "arrays-1" not in clean
+    sent = clean["arrays-0"].to_torch_state_dict()
+    assert all(torch.equal(sent[k], v) for k, v in state.items())
+    noised = _strategy(tiny_model, "noised").node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    sent = noised["arrays-0"].to_torch_state_dict()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    noise = sent[name] - state[name]
+    rms = state[name].pow(2).mean().sqrt()
+    assert 0 < noise.abs().max() and noise.std() < 0.2 * rms  # κ = 0.05 of the layer RMS
+
+
+def _reply(updates, fishers):
+    content = RecordDict(
+        {
+            "metrics": MetricRecord({"num-examples": 2}),
+            "info": ConfigRecord({"role": "forget", "domain": "d", "objective": "ga"}),
+        }
+    )
+    for k, (u, f) in enumerate(zip(updates, fishers, strict=True)):
+        content[f"task_vector-{k}"] = ArrayRecord({n: t.contiguous() for n, t in u.items()})
+        content[f"fisher-{k}"] = ArrayRecord({n: t.contiguous() for n, t in f.items()})
+    return content
+
+
+@pytest.mark.parametrize("copies", [2, 3])
+def test_replies_map_back_and_cancel_the_noise_to_first_order(tiny_model, copies):
+    """A client whose update is linear in what it received (Δ = −η·θ_pub) returns, after
+    T⁻¹ and harmonic aggregation, exactly the noise-free update −η·θ."""
+    state = _state(tiny_model)
+    strategy = _strategy(tiny_model, "mpu", copies=copies)
+    content = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    names = [n for n in state if n.endswith("_proj.weight")]
+    eta = 0.1
+    updates, fishers = [], []
+    for k in range(copies):
+        published = content[f"arrays-{k}"].to_torch_state_dict()
+        updates.append({n: -eta * published[n] for n in names})
+        fishers.append({n: published[n] ** 2 for n in names})
+    update, metrics = strategy.decode_reply(1, NODE, _reply(updates, fishers))
+    assert metrics["mpu-copies"] == copies
+    for name in names:
+        expected = -eta * state[name]
+        assert torch.allclose(update.task_vector[name], expected, atol=1e-6), name
+        assert (update.fisher[name] >= 0).all()
+    plain = {n: sum(u[n] for u in updates) / copies for n in names}  # without T⁻¹ and weights
+    assert max((plain[n] + eta * state[n]).abs().max() for n in names) > 1e-3
