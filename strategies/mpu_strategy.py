@@ -13,6 +13,7 @@ Baselines through the same code path: ``clean`` (one exact copy) and ``noised`` 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -87,8 +88,21 @@ class MpuStrategy(MergeStrategy):
         self._secret = secret
         self.alphas = alphas(self.copies)
         self.bytes_to_clients: dict[int, int] = {}
+        self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
 
     # ---- keys ------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """What results.json records about MPU (never the secret or any key)."""
+        return {
+            "mode": self.mode,
+            "copies": self.copies,
+            "kappa": self.kappa,
+            "alphas": list(self.alphas),
+            "permute_groups": self.permute_groups,
+            "server_seconds": dict(self.seconds),
+            "bytes_to_client_last_round": dict(self.bytes_to_clients),
+        }
 
     def _transforms(self, server_round: int, position: int, copy: int):
         return draw_transforms(
@@ -127,6 +141,15 @@ class MpuStrategy(MergeStrategy):
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
         """m published copies for this node instead of the exact weights."""
+        started = time.perf_counter()
+        try:
+            return self._publish(server_round, position, arrays, node_config)
+        finally:
+            self.seconds["publish"] += time.perf_counter() - started
+
+    def _publish(
+        self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
+    ) -> RecordDict:
         state = arrays.to_torch_state_dict()
         config = ConfigRecord({**dict(node_config), "mpu-copies": self.copies})
         content = RecordDict({"config": config})
@@ -151,6 +174,15 @@ class MpuStrategy(MergeStrategy):
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
         """Map every copy's task vector and Fisher back and aggregate them harmonically."""
+        started = time.perf_counter()
+        try:
+            return self._map_back(server_round, node_id, content)
+        finally:
+            self.seconds["map_back"] += time.perf_counter() - started
+
+    def _map_back(
+        self, server_round: int, node_id: int, content: RecordDict
+    ) -> tuple[ClientUpdate, dict[str, Any]]:
         position = list(self.node_assignment).index(node_id)
         aggregator = HarmonicAggregator()
         fisher_sum: dict[str, torch.Tensor] | None = None

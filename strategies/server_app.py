@@ -117,6 +117,7 @@ def main(grid: Grid, context: Context) -> None:
             "applied_relative_error": applied_error,
         },
         "substrate": run_model.info,
+        **({"mpu": strategy.report()} if isinstance(strategy, MpuStrategy) else {}),
         "assignments": [
             {
                 "node_id": node_id,

@@ -35,7 +35,7 @@ def checkpoint(tmp_path_factory, tiny_tokenizer):
 @pytest.mark.parametrize(
     "options",
     [
-        "mpu-merge='firm' mpu-copies=2 num-rounds=2",
+        "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret='do-not-leak-4711'",
         "mpu-merge='sum' mpu-copies=3",
         "mpu-merge='fulm' mpu-mode='noised'",
         "mpu-merge='firm' mpu-mode='clean'",
@@ -47,7 +47,9 @@ def test_mpu_through_flower(tmp_path, checkpoint, options):
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )
-    results = json.loads(path.read_text())
+    text = path.read_text()
+    assert "do-not-leak-4711" not in text
+    results = json.loads(text)
     config = results["config"]
     assert config["strategy"] == "mpu" and config["mpu-secret"] == ""
     copies = 1 if config["mpu-mode"] != "mpu" else config["mpu-copies"]
@@ -59,3 +61,6 @@ def test_mpu_through_flower(tmp_path, checkpoint, options):
     assert results["merge"]["method"] == config["mpu-merge"].split("-")[0]
     assert results["merge"]["norm_final"] > 0
     assert results["metrics"]["after"] != results["metrics"]["before"]
+    mpu = results["mpu"]
+    assert mpu["mode"] == config["mpu-mode"] and mpu["copies"] == copies
+    assert mpu["server_seconds"]["publish"] > 0 and mpu["server_seconds"]["map_back"] > 0

@@ -1,0 +1,176 @@
+"""MPU on tofu (MPU paper Table 1 style): Clean vs Noised vs MPU per objective, then κ and m.
+
+    python -m simulations.mpu_study [--objectives ga,graddiff,npo,simnpo] [--run-config "..."]
+
+Every cell is one real Flower simulation with ``strategy=mpu`` (the baselines run through the
+same code path: ``mpu-mode=clean`` sends one exact copy, ``noised`` one noisy copy without
+reparameterisation or denoising). Writes ``mpu_study.json``, ``mpu_study.md`` and
+``mpu_study.png`` (forget quality and utility per κ and m) into the output folder; every run's
+``results.json`` stays under ``runs/``. The overhead columns are measured in the same runs:
+server pre-/post-processing time ÷ the wrapped merge's time on the same updates, bytes sent
+to each client per round, and the forget clients' compute ÷ that of the Clean run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from simulations import run_local  # noqa: E402
+
+METRICS = ("forget_quality", "forget_truth_ratio", "forget_rouge_l", "model_utility")
+
+
+def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
+    path = output_dir / "results.json"
+    if not path.is_file():
+        path = run_local.run(run_config=run_config, output_dir=output_dir)
+    results = json.loads(path.read_text())
+    forget = [c for c in results["clients"] if c.get("role") == "forget"]
+    mpu = results["mpu"]
+    merge_seconds = max(float(results["merge"]["seconds"]), 1e-9)
+    return {
+        "metrics": {k: results["metrics"]["after"].get(k) for k in METRICS},
+        "forget_client_train_seconds": sum(c["train_seconds"] for c in forget) / len(forget),
+        "bytes_to_client": max(mpu["bytes_to_client_last_round"].values()),
+        "bytes_from_client": max(c["bytes_sent"] for c in results["clients"]),
+        "publish_over_merge": mpu["server_seconds"]["publish"] / merge_seconds,
+        "map_back_over_merge": mpu["server_seconds"]["map_back"] / merge_seconds,
+        "results": str(path),
+        "before": {k: results["metrics"]["before"].get(k) for k in METRICS},
+        "reference": {k: results["metrics"].get("reference", {}).get(k) for k in METRICS},
+    }
+
+
+def study(
+    objectives: list[str],
+    run_config: str,
+    output_dir: Path,
+    *,
+    kappas: tuple[float, ...] = (0.01, 0.05, 0.1),
+    copies: tuple[int, ...] = (2, 3, 4),
+) -> dict[str, Any]:
+    """Table 1 (objective × Clean / Noised / MPU m=2 κ=0.01), then κ and m sweeps on GA."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    base = f"strategy='mpu' {run_config}".strip()
+    table: list[dict[str, Any]] = []
+    for objective in objectives:
+        for mode, extra in (
+            ("clean", "mpu-mode='clean'"),
+            ("noised", "mpu-mode='noised' mpu-kappa=0.01"),
+            ("mpu", "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01"),
+        ):
+            cell = _cell(
+                f"{base} objective='{objective}' {extra}",
+                output_dir / "runs" / f"{objective}-{mode}",
+            )
+            table.append({"objective": objective, "mode": mode, **cell})
+    sweep: list[dict[str, Any]] = []
+    for kappa in kappas:
+        for m in copies:
+            if kappa != 0.01 and m != 2:
+                continue  # κ varies at m = 2, m varies at κ = 0.01
+            name = f"ga-mpu-k{kappa:g}-m{m}"
+            config = f"{base} objective='ga' mpu-mode='mpu' mpu-copies={m} mpu-kappa={kappa}"
+            sweep.append({"kappa": kappa, "m": m, **_cell(config, output_dir / "runs" / name)})
+    clean = {r["objective"]: r for r in table if r["mode"] == "clean"}
+    for row in table + sweep:
+        ref = clean.get(row.get("objective", "ga"))
+        if ref:
+            row["client_compute_over_clean"] = (
+                row["forget_client_train_seconds"] / ref["forget_client_train_seconds"]
+            )
+    summary = {"run_config": run_config, "table": table, "sweep": sweep}
+    (output_dir / "mpu_study.json").write_text(json.dumps(summary, indent=2))
+    (output_dir / "mpu_study.md").write_text(study_markdown(summary))
+    plot_sweep(summary, output_dir / "mpu_study.png")
+    return summary
+
+
+def _fmt(value: Any) -> str:
+    return f"{value:.3f}" if isinstance(value, float) else ("–" if value is None else str(value))
+
+
+def study_markdown(summary: dict[str, Any]) -> str:
+    """Table 1 and the κ / m sweep, with the overhead columns."""
+    head = " | ".join(METRICS)
+    overhead = "publish ÷ merge | map-back ÷ merge | MB to client | client compute ÷ clean"
+    lines = [
+        f"| objective | mode | {head} | {overhead} |",
+        "|---|---|" + "---|" * (len(METRICS) + 4),
+    ]
+    rows = summary["table"]
+    if rows:
+        lines.append(
+            "| before | – | "
+            + " | ".join(_fmt(rows[0]["before"][k]) for k in METRICS)
+            + " | | | | |"
+        )
+        lines.append(
+            "| reference | – | "
+            + " | ".join(_fmt(rows[0]["reference"][k]) for k in METRICS)
+            + " | | | | |"
+        )
+    for r in rows:
+        lines.append(_row(f"{r['objective']} | {r['mode']}", r))
+    lines += ["", f"| κ | m | {head} | {overhead} |", "|---|---|" + "---|" * (len(METRICS) + 4)]
+    for r in summary["sweep"]:
+        lines.append(_row(f"{r['kappa']:g} | {r['m']}", r))
+    return "\n".join(lines) + "\n"
+
+
+def _row(label: str, r: dict[str, Any]) -> str:
+    return (
+        f"| {label} | "
+        + " | ".join(_fmt(r["metrics"][k]) for k in METRICS)
+        + f" | {_fmt(r['publish_over_merge'])} | {_fmt(r['map_back_over_merge'])} | "
+        f"{r['bytes_to_client'] / 1e6:.1f} | {_fmt(r.get('client_compute_over_clean'))} |"
+    )
+
+
+def plot_sweep(summary: dict[str, Any], path: Path) -> Path:
+    """Forget quality and model utility against κ (m = 2) and against m (κ = 0.01)."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (key, fixed_key, fixed) in zip(
+        axes, (("kappa", "m", 2), ("m", "kappa", 0.01)), strict=True
+    ):
+        rows = sorted((r for r in summary["sweep"] if r[fixed_key] == fixed), key=lambda r: r[key])
+        xs = [r[key] for r in rows]
+        for metric in ("forget_quality", "model_utility"):
+            ax.plot(xs, [r["metrics"][metric] for r in rows], marker="o", label=metric)
+        ax.set_xlabel(key)
+        ax.set_title(f"MPU with GA, {fixed_key} = {fixed:g}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objectives", default="ga,graddiff,npo,simnpo")
+    parser.add_argument("--run-config", default="", help="extra run-config overrides")
+    parser.add_argument("--output-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    logging.getLogger("flwr").propagate = False
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"mpu-{stamp}").resolve()
+    summary = study([o for o in args.objectives.split(",") if o], args.run_config, output_dir)
+    print(study_markdown(summary))
+    print(f"written to {output_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
