@@ -6,7 +6,9 @@ Every cell is one real Flower simulation with ``strategy=mpu`` (the baselines ru
 same code path: ``mpu-mode=clean`` sends one exact copy, ``noised`` one noisy copy without
 reparameterisation or denoising). Writes ``mpu_study.json``, ``mpu_study.md`` and
 ``mpu_study.png`` (forget quality and utility per κ and m) into the output folder; every run's
-``results.json`` stays under ``runs/``. The overhead columns are measured in the same runs:
+``results.json`` stays under ``runs/``. Cells use a fixed study secret (override with
+``mpu-secret=`` in ``--run-config``) so the study is reproducible; a plain run's default is a
+fresh random secret. The overhead columns are measured in the same runs:
 server pre-/post-processing time ÷ the wrapped merge's time on the same updates, bytes sent
 to each client per round, and the forget clients' compute ÷ that of the Clean run.
 """
@@ -62,6 +64,9 @@ def study(
     """Table 1 (objective × Clean / Noised / MPU m=2 κ=0.01), then κ and m sweeps on GA."""
     output_dir.mkdir(parents=True, exist_ok=True)
     base = f"strategy='mpu' {run_config}".strip()
+    if "mpu-secret=" not in base:
+        # reproducible cells: a fixed study secret (a run's default is a fresh random secret)
+        base += " mpu-secret='fedunlearn-mpu-study'"
     table: list[dict[str, Any]] = []
     for objective in objectives:
         for mode, extra in (
