@@ -89,6 +89,8 @@ class MpuStrategy(MergeStrategy):
         self.alphas = alphas(self.copies)
         self.bytes_to_clients: dict[int, int] = {}
         self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
+        # θ of the round being published and its per-tensor σ (the same for every client)
+        self._round_state: tuple[int, dict[str, torch.Tensor], dict[str, float]] | None = None
 
     # ---- keys ------------------------------------------------------------------------------
 
@@ -114,12 +116,25 @@ class MpuStrategy(MergeStrategy):
             permute_groups=self.permute_groups,
         )
 
+    def _state_and_sigmas(
+        self, server_round: int, arrays: ArrayRecord
+    ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+        """θ as tensors and σ per perturbed tensor, computed once per round."""
+        if self._round_state is None or self._round_state[0] != server_round:
+            state = arrays.to_torch_state_dict()
+            groups = layer_groups(state.keys(), self.num_layers)
+            sigmas = sigma_per_tensor(groups, layer_sigmas(state, groups, self.kappa))
+            self._round_state = (server_round, state, sigmas)
+        return self._round_state[1], self._round_state[2]
+
     def _noise(
-        self, server_round: int, position: int, state: Mapping[str, torch.Tensor]
+        self,
+        server_round: int,
+        position: int,
+        state: Mapping[str, torch.Tensor],
+        sigmas: Mapping[str, float],
     ) -> list[dict[str, torch.Tensor]]:
         """ε⁰_1..ε⁰_m for this client and round (``noised``: one plain Gaussian draw)."""
-        groups = layer_groups(state.keys(), self.num_layers)
-        sigmas = sigma_per_tensor(groups, layer_sigmas(state, groups, self.kappa))
         shapes = {name: state[name].shape for name in sigmas}
         gen = torch.Generator().manual_seed(
             derive_seed(self._secret, server_round, position, "noise")
@@ -150,14 +165,14 @@ class MpuStrategy(MergeStrategy):
     def _publish(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
-        state = arrays.to_torch_state_dict()
+        state, sigmas = self._state_and_sigmas(server_round, arrays)
         config = ConfigRecord({**dict(node_config), "mpu-copies": self.copies})
         content = RecordDict({"config": config})
         if self.mode == "clean":
             content["arrays-0"] = arrays
             self.bytes_to_clients[position] = _nbytes(state)
             return content
-        noise = self._noise(server_round, position, state)
+        noise = self._noise(server_round, position, state, sigmas)
         total = 0
         for k, (eps0, alpha) in enumerate(zip(noise, self.alphas, strict=True)):
             published = noisy_copy(state, eps0, alpha)

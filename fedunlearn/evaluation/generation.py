@@ -15,7 +15,7 @@ from fedunlearn.evaluation.likelihood import (
 )
 from fedunlearn.qa_format import format_prompt
 
-__all__ = ["greedy_generate"]
+__all__ = ["greedy_from_ids", "greedy_generate"]
 
 
 def greedy_generate(
@@ -43,13 +43,28 @@ def greedy_generate(
     Returns:
         The decoded continuations in input order, without prompt or special tokens, stripped.
     """
+    prompts = [
+        tokenizer(format_prompt(q), add_special_tokens=False)["input_ids"] for q in questions
+    ]
+    return greedy_from_ids(
+        model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
+
+
+def greedy_from_ids(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+) -> list[str]:
+    """Greedy continuation of already tokenised prompts (shared by :func:`greedy_generate`
+    and raw-text continuation): length-grouped, left-padded by hand, stops at EOS."""
     eos_id = tokenizer.eos_token_id
     if eos_id is None:
         raise ValueError("tokenizer needs an EOS token")
     pad_id = resolve_pad_id(tokenizer)
-    prompts = [
-        tokenizer(format_prompt(q), add_special_tokens=False)["input_ids"] for q in questions
-    ]
     outputs: list[str] = [""] * len(prompts)
     if not prompts or max_new_tokens <= 0:
         return outputs
@@ -68,7 +83,7 @@ def greedy_generate(
             attention = torch.zeros((len(batch), width), dtype=torch.long)
             for row, i in enumerate(batch):
                 ids = prompts[i]
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+                input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
                 attention[row, width - len(ids) :] = 1
             generated = model.generate(
                 input_ids=input_ids.to(device),

@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from scipy import stats
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from fedunlearn.evaluation.generation import greedy_generate
+from fedunlearn.evaluation.generation import greedy_from_ids, greedy_generate
 from fedunlearn.evaluation.likelihood import (
     eval_mode,
     length_sorted_batches,
@@ -78,48 +78,17 @@ def greedy_continue(
     Returns:
         The decoded continuations in input order, without prompt or special tokens, stripped.
     """
-    eos_id = tokenizer.eos_token_id
-    if eos_id is None:
+    if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer needs an EOS token")
-    pad_id = resolve_pad_id(tokenizer)
     encoded = [tokenizer(p)["input_ids"] for p in prompts]
     if max_prompt_tokens is not None:
         encoded = [ids[-max_prompt_tokens:] for ids in encoded]
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompt {i} is empty after tokenisation")
-    outputs = [""] * len(encoded)
-    if not encoded or max_new_tokens <= 0:
-        return outputs
-    config = GenerationConfig(
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        num_beams=1,
-        pad_token_id=pad_id,
-        eos_token_id=eos_id,
+    return greedy_from_ids(
+        model, tokenizer, encoded, max_new_tokens=max_new_tokens, batch_size=batch_size
     )
-    device = model_device(model)
-    with eval_mode(model), torch.no_grad():
-        for batch in length_sorted_batches([len(ids) for ids in encoded], batch_size):
-            width = max(len(encoded[i]) for i in batch)
-            input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-            attention = torch.zeros((len(batch), width), dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids = encoded[i]
-                input_ids[row, width - len(ids) :] = torch.tensor(ids, dtype=torch.long)
-                attention[row, width - len(ids) :] = 1
-            generated = model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention.to(device),
-                generation_config=config,
-            )
-            new_tokens = generated[:, width:].cpu().tolist()
-            for row, i in enumerate(batch):
-                tokens = new_tokens[row]
-                if eos_id in tokens:
-                    tokens = tokens[: tokens.index(eos_id)]
-                outputs[i] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
-    return outputs
 
 
 def knowmem(

@@ -207,6 +207,17 @@ def with_local_retain(
     return out
 
 
+def sampled_retain_clients(
+    pool: Sequence[int], num_clients: int, samples: int, domain: str, seed: int
+) -> list[ClientAssignment]:
+    """``num_clients`` retain clients holding disjoint parts of one seeded sample of at most
+    ``num_clients × samples`` indices from ``pool``."""
+    rng = random.Random(seed)
+    sample = rng.sample(list(pool), min(len(pool), num_clients * samples))
+    parts = split_contiguous(sample, max(1, num_clients))[:num_clients]
+    return [ClientAssignment("retain", domain, tuple(sorted(part))) for part in parts]
+
+
 def split_contiguous(items: list, parts: int) -> list[list]:
     """``items`` cut into ``parts`` contiguous pieces whose sizes differ by at most one."""
     base, extra = divmod(len(items), parts)

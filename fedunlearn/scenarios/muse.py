@@ -4,7 +4,6 @@ trained on about them), retain clients the other books; GA by default (SPEC §5.
 from __future__ import annotations
 
 import functools
-import random
 from typing import Any
 
 import torch
@@ -23,6 +22,7 @@ from fedunlearn.scenarios.base import (
     Scenario,
     ScenarioParams,
     register_scenario,
+    sampled_retain_clients,
     split_contiguous,
     with_local_retain,
 )
@@ -105,11 +105,9 @@ class MuseScenario(Scenario):
             ClientAssignment("forget", MUSE_FORGET_DOMAIN, tuple(shard))
             for shard in split_contiguous(forget, p.num_forget_clients)
         ]
-        rng = random.Random(p.seed)
-        take = min(len(retain), p.num_retain_clients * p.retain_samples)
-        sample = rng.sample(retain, take)
-        for part in split_contiguous(sample, max(1, p.num_retain_clients))[: p.num_retain_clients]:
-            clients.append(ClientAssignment("retain", "retain", tuple(sorted(part))))
+        clients += sampled_retain_clients(
+            retain, p.num_retain_clients, p.retain_samples, "retain", p.seed
+        )
         return with_local_retain(clients, retain, p.local_retain_samples, p.seed)
 
     def tokenizer_corpus(self, num_documents: int) -> list[str]:

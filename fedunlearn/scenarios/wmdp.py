@@ -6,7 +6,6 @@ accuracy should stay (SPEC §5.2)."""
 from __future__ import annotations
 
 import functools
-import random
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from fedunlearn.scenarios.base import (
     Scenario,
     ScenarioParams,
     register_scenario,
+    sampled_retain_clients,
     split_contiguous,
     with_local_retain,
 )
@@ -128,10 +128,9 @@ class WmdpScenario(Scenario):
                 indices = tuple(i for unit in shard for i in unit)
                 clients.append(ClientAssignment("forget", domain, indices))
         general = self.data.text_indices(GENERAL)
-        rng = random.Random(p.seed)
-        sample = rng.sample(general, min(len(general), p.num_retain_clients * p.retain_samples))
-        for part in split_contiguous(sample, max(1, p.num_retain_clients))[: p.num_retain_clients]:
-            clients.append(ClientAssignment("retain", GENERAL, tuple(sorted(part))))
+        clients += sampled_retain_clients(
+            general, p.num_retain_clients, p.retain_samples, GENERAL, p.seed
+        )
         return with_local_retain(clients, general, p.local_retain_samples, p.seed)
 
     def tokenizer_corpus(self, num_documents: int) -> list[str]:

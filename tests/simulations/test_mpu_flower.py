@@ -14,24 +14,6 @@ SMALL_RUN = (
 )
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, tiny_tokenizer):
-    from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
-
-    config = tiny_llama_config(
-        len(tiny_tokenizer),
-        hidden_size=64,
-        num_hidden_layers=2,
-        intermediate_size=128,
-        eos_token_id=tiny_tokenizer.eos_token_id,
-        pad_token_id=tiny_tokenizer.pad_token_id,
-    )
-    folder = tmp_path_factory.mktemp("ckpt")
-    new_tiny_llama(config, seed=0).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.mark.parametrize(
     "options",
     [
@@ -41,9 +23,9 @@ def checkpoint(tmp_path_factory, tiny_tokenizer):
         "mpu-merge='firm' mpu-mode='clean'",
     ],
 )
-def test_mpu_through_flower(tmp_path, checkpoint, options):
+def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' strategy='mpu' {options} {SMALL_RUN}",
+        run_config=f"model-path='{tiny_checkpoint}' strategy='mpu' {options} {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )

@@ -1,0 +1,21 @@
+"""A tiny random Llama checkpoint on disk, shared by the Flower tests of a module."""
+
+import pytest
+
+from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
+    config = tiny_llama_config(
+        len(tiny_tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        eos_token_id=tiny_tokenizer.eos_token_id,
+        pad_token_id=tiny_tokenizer.pad_token_id,
+    )
+    folder = tmp_path_factory.mktemp("ckpt")
+    new_tiny_llama(config, seed=0).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return folder
