@@ -2,8 +2,8 @@
 
 On a TRAIN message the client rebuilds the model it was sent, materialises its own data
 shard, computes the empirical Fisher diagonal at the received weights (SPEC §1.1), trains a
-LoRA adapter with its role's objective and replies with the dense task vector s·B@A, the
-Fisher diagonal and its metrics.
+LoRA adapter (or, with ``finetune='full'``, the targeted weights themselves) with its role's
+objective and replies with the dense task vector, the Fisher diagonal and its metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from fedunlearn.objectives import objective_requirements
 from fedunlearn.objectives.refusal import refusal_examples
 from fedunlearn.qa_format import encode_record
 from fedunlearn.scenarios import Scenario, ScenarioParams, get_scenario
+from fedunlearn.training.full_finetune import train_full_task_vector
 from fedunlearn.training.lora import (
     LocalTrainSettings,
     LoraSettings,
@@ -166,7 +167,8 @@ def local_update(
     retain_examples: list | None,
     alternate_examples: list | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
-    """Fisher diagonal at ``model``'s weights, then a LoRA task vector (SPEC §1)."""
+    """Fisher diagonal at ``model``'s weights, then a task vector (SPEC §1): s·B@A of a LoRA
+    adapter, or with ``finetune='full'`` θ_after − θ_received of the same targeted weights."""
     lora = lora_settings(config)
     names = adapted_parameter_names(model, lora)
     t_fisher = time.perf_counter()
@@ -181,15 +183,29 @@ def local_update(
     if bool(config.get("load-in-4bit", False)):
         # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
         model = quantize_4bit(model)
-    task_vector, stats = train_lora_task_vector(
-        model,
-        examples,
-        pad_token_id=pad_token_id,
-        lora=lora,
-        train=settings,
-        retain_examples=retain_examples,
-        alternate_examples=alternate_examples,
-    )
+    finetune = str(config.get("finetune", "lora"))
+    if finetune == "full":
+        task_vector, stats = train_full_task_vector(
+            model,
+            examples,
+            pad_token_id=pad_token_id,
+            target_names=names,
+            train=settings,
+            retain_examples=retain_examples,
+            alternate_examples=alternate_examples,
+        )
+    elif finetune == "lora":
+        task_vector, stats = train_lora_task_vector(
+            model,
+            examples,
+            pad_token_id=pad_token_id,
+            lora=lora,
+            train=settings,
+            retain_examples=retain_examples,
+            alternate_examples=alternate_examples,
+        )
+    else:
+        raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
     tv_norm = torch.sqrt(sum((v.double() ** 2).sum() for v in task_vector.values())).item()
     upload = sum(v.numel() * v.element_size() for v in task_vector.values())
     upload += sum(v.numel() * v.element_size() for v in fisher.values())

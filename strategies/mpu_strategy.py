@@ -59,6 +59,9 @@ class MpuStrategy(MergeStrategy):
         κ in σ_ℓ = κ·RMS(layer ℓ's weights).
     permute_groups : bool (default: True)
         Also permute whole KV groups (the paper's extra step the reference code omits).
+    sigma_reference : Mapping[str, torch.Tensor] | None (default: None)
+        θ_pretrained: when given, σ_ℓ = κ·RMS(θ_ℓ − θ_pretrained,ℓ) (the task-vector variant of
+        SPEC §3, as in the reference code) instead of κ·RMS(θ_ℓ).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class MpuStrategy(MergeStrategy):
         copies: int = 2,
         kappa: float = 0.01,
         permute_groups: bool = True,
+        sigma_reference: Mapping[str, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -83,6 +87,7 @@ class MpuStrategy(MergeStrategy):
         self.copies = copies if mode == "mpu" else 1
         self.kappa = kappa
         self.permute_groups = permute_groups
+        self.sigma_reference = sigma_reference
         self.dims = ReparamDims.from_config(model_config)
         self.num_layers = int(model_config.num_hidden_layers)
         self._secret = secret
@@ -91,6 +96,7 @@ class MpuStrategy(MergeStrategy):
         self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
         # θ of the round being published and its per-tensor σ (the same for every client)
         self._round_state: tuple[int, dict[str, torch.Tensor], dict[str, float]] | None = None
+        self.sigma_per_layer: dict[int, float] = {}  # σ_ℓ of the last published round
 
     # ---- keys ------------------------------------------------------------------------------
 
@@ -102,6 +108,8 @@ class MpuStrategy(MergeStrategy):
             "kappa": self.kappa,
             "alphas": list(self.alphas),
             "permute_groups": self.permute_groups,
+            "sigma_source": "weights" if self.sigma_reference is None else "task-vector",
+            "sigma_per_layer": dict(self.sigma_per_layer),
             "server_seconds": dict(self.seconds),
             "bytes_to_client_last_round": dict(self.bytes_to_clients),
         }
@@ -123,7 +131,9 @@ class MpuStrategy(MergeStrategy):
         if self._round_state is None or self._round_state[0] != server_round:
             state = arrays.to_torch_state_dict()
             groups = layer_groups(state.keys(), self.num_layers)
-            sigmas = sigma_per_tensor(groups, layer_sigmas(state, groups, self.kappa))
+            per_layer = layer_sigmas(state, groups, self.kappa, reference=self.sigma_reference)
+            sigmas = sigma_per_tensor(groups, per_layer)
+            self.sigma_per_layer = per_layer
             self._round_state = (server_round, state, sigmas)
         return self._round_state[1], self._round_state[2]
 

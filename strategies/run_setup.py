@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from flwr.common.logger import log
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.models.substrate import load_substrate
@@ -60,6 +60,31 @@ def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunM
         substrate.reference_model,
         {"folder": str(substrate.folder), **substrate.info},
     )
+
+
+def pretrained_state(settings: RunSettings, run_model: RunModel) -> dict[str, torch.Tensor]:
+    """θ_pretrained for MPU's task-vector σ (``mpu-sigma-source='task-vector'``):
+    ``mpu-pretrained-path`` or, for the built-in model, the substrate's pre-trained stage."""
+    if settings.mpu_pretrained_path:
+        path = Path(settings.mpu_pretrained_path).expanduser()
+    elif "folder" in run_model.info:
+        path = Path(run_model.info["folder"]) / "pretrained"
+    else:
+        raise ValueError("mpu-sigma-source='task-vector' needs mpu-pretrained-path")
+    if not path.is_dir():
+        raise FileNotFoundError(f"mpu-pretrained-path {path} is not a checkpoint folder")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"mpu-pretrained-path {path} has no config.json")
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+    state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
+    expected = run_model.model.state_dict()
+    wrong = [k for k, v in expected.items() if k in state and state[k].shape != v.shape]
+    if wrong:
+        raise ValueError(
+            f"mpu-pretrained-path {path}: tensor {wrong[0]!r} has shape "
+            f"{tuple(state[wrong[0]].shape)}, the model's is {tuple(expected[wrong[0]].shape)}"
+        )
+    return state
 
 
 def evaluate_model(

@@ -21,7 +21,7 @@ from fedunlearn.uploads import save_uploads
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.results import format_summary_table, json_safe
-from strategies.run_setup import evaluate_model, load_run_model
+from strategies.run_setup import evaluate_model, load_run_model, pretrained_state
 from strategies.settings import RunSettings
 
 app = ServerApp()
@@ -79,6 +79,11 @@ def main(grid: Grid, context: Context) -> None:
             kappa=settings.mpu_kappa,
             permute_groups=settings.mpu_permute_groups,
             server_lr=settings.mpu_server_lr,
+            sigma_reference=(
+                pretrained_state(settings, run_model)
+                if settings.mpu_sigma_source == "task-vector"
+                else None
+            ),
             **common,
         )
     else:
@@ -170,6 +175,7 @@ def client_settings(settings: RunSettings) -> dict[str, Any]:
         "lora-alpha": settings.lora_alpha,
         "lora-targets": settings.lora_targets,
         "lora-layers": settings.lora_layers,
+        "finetune": settings.finetune,
         "load-in-4bit": settings.load_in_4bit,
         "dtype": settings.dtype,
         "fisher-batches": settings.fisher_batches,

@@ -16,6 +16,8 @@ from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
 from fedunlearn.training.lora import parse_layers
 
 DTYPES = ("auto", "float32", "bfloat16")  # float16 would need loss scaling
+FINETUNE_MODES = ("lora", "full")
+MPU_SIGMA_SOURCES = ("weights", "task-vector")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class RunSettings:
     lora_alpha: float = 32.0
     lora_targets: str = "auto"
     lora_layers: str = "auto"
+    finetune: str = "lora"  # lora | full (train the targeted weights themselves)
     fisher_batches: int = 20
     # objective options (SPEC §6); each objective reads its own
     graddiff_alpha: float = 1.0
@@ -90,6 +93,8 @@ class RunSettings:
     mpu_permute_groups: bool = True
     mpu_secret: str = ""
     mpu_server_lr: float = 1.0
+    mpu_sigma_source: str = "weights"  # weights | task-vector (θ − θ_pretrained)
+    mpu_pretrained_path: str = ""  # θ_pretrained for task-vector; "" = the substrate's
     # baselines
     ties_k: float = 0.2
     fulm_threshold: float = 0.6
@@ -179,6 +184,10 @@ class RunSettings:
             )
         if self.lora_layers != "auto":
             parse_layers(self.lora_layers)
+        if self.finetune not in FINETUNE_MODES:
+            raise ValueError(f"finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
+        if self.finetune == "full" and self.load_in_4bit:
+            raise ValueError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
         if self.strategy == "mpu":
             if self.mpu_mode not in ("mpu", "clean", "noised"):
                 raise ValueError(f"mpu-mode must be mpu, clean or noised, got {self.mpu_mode!r}")
@@ -186,6 +195,20 @@ class RunSettings:
                 raise ValueError(f"mpu-copies must be >= 2, got {self.mpu_copies}")
             if self.mpu_merge == "mpu":
                 raise ValueError("mpu-merge names the merge MPU wraps; it cannot be 'mpu'")
+            if self.mpu_sigma_source not in MPU_SIGMA_SOURCES:
+                raise ValueError(
+                    f"mpu-sigma-source must be one of {MPU_SIGMA_SOURCES}, "
+                    f"got {self.mpu_sigma_source!r}"
+                )
+            if (
+                self.mpu_sigma_source == "task-vector"
+                and self.model_path
+                and not (self.mpu_pretrained_path)
+            ):
+                raise ValueError(
+                    "mpu-sigma-source='task-vector' with model-path needs mpu-pretrained-path "
+                    "(the checkpoint the model was fine-tuned from)"
+                )
         if not 0 < self.forget_percent < 100:
             raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
         for name in (

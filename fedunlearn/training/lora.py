@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import random
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from peft.tuners.tuners_utils import check_target_module_exists
-from tqdm.auto import tqdm
 
-from fedunlearn.objectives import ObjectiveContext, get_objective, objective_requirements
-from fedunlearn.training.batching import Example, cycled_batches
+from fedunlearn.objectives import ObjectiveContext
+from fedunlearn.training.batching import Example
+from fedunlearn.training.local_loop import (
+    check_objective_data,
+    objective_context,
+    run_objective_steps,
+)
 
 ALL_LLAMA_PROJECTIONS = (
     "q_proj",
@@ -113,42 +113,6 @@ def adapted_parameter_names(model: torch.nn.Module, lora: LoraSettings) -> list[
     return names
 
 
-def _on_device(
-    batches: Iterator[dict[str, torch.Tensor]], device: torch.device
-) -> Iterator[dict[str, torch.Tensor]]:
-    for batch in batches:
-        yield {k: v.to(device) for k, v in batch.items()}
-
-
-def _check_data(
-    objective: str,
-    examples: Sequence[Example],
-    retain_examples: Sequence[Example] | None,
-    alternate_examples: Sequence[Example] | None,
-    context: ObjectiveContext,
-) -> None:
-    spec = objective_requirements(objective)
-    if not examples:
-        raise ValueError("local training needs at least one example")
-    if retain_examples is not None and not retain_examples:
-        raise ValueError("retain_examples is empty; pass None or at least one example")
-    if alternate_examples is not None and len(alternate_examples) != len(examples):
-        raise ValueError(
-            f"alternate_examples has {len(alternate_examples)} entries for {len(examples)} "
-            "examples; it must hold one refusal example per example, in the same order"
-        )
-    if spec.needs_retain and retain_examples is None and context.retain_batches is None:
-        raise ValueError(
-            f"objective {objective!r} needs retain examples on the forget client: pass "
-            "retain_examples= (or ObjectiveContext.retain_batches)"
-        )
-    if spec.needs_alternate and alternate_examples is None:
-        raise ValueError(
-            f"objective {objective!r} needs alternate (refusal) answers aligned with the "
-            "examples: pass alternate_examples= (see fedunlearn.objectives.refusal)"
-        )
-
-
 def train_lora_task_vector(
     model: torch.nn.Module,
     examples: Sequence[Example],
@@ -175,55 +139,26 @@ def train_lora_task_vector(
     ``train.options`` are merged over ``context.options``. The frozen reference π_ref is the
     adapter-disabled PEFT model unless ``context.reference_model`` is set.
     """
-    objective = get_objective(train.objective)
-    context = context or ObjectiveContext()
-    _check_data(train.objective, examples, retain_examples, alternate_examples, context)
+    check_objective_data(train.objective, examples, retain_examples, alternate_examples, context)
     device = next(model.parameters()).device
-    batch_size = min(train.batch_size, len(examples))
-    retain_batches = context.retain_batches
-    if retain_examples is not None:
-        retain_rng = random.Random(1_000_003 * train.seed + 1)
-        retain_batches = _on_device(
-            cycled_batches(
-                retain_examples,
-                min(train.batch_size, len(retain_examples)),
-                pad_token_id,
-                retain_rng,
-            ),
-            device,
-        )
-    context = dataclasses.replace(
-        context, retain_batches=retain_batches, options={**context.options, **train.options}
+    context = objective_context(
+        train, context, pad_token_id=pad_token_id, device=device, retain_examples=retain_examples
     )
     was_training = model.training
     requires_grad = {name: p.requires_grad for name, p in model.named_parameters()}
     torch.manual_seed(train.seed)
     peft_model = get_peft_model(model, lora_config(lora))
     try:
-        params = [p for p in peft_model.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=0.0)
-        rng = random.Random(train.seed)
-        batches = _on_device(
-            cycled_batches(examples, batch_size, pad_token_id, rng, alternates=alternate_examples),
-            device,
+        stats = run_objective_steps(
+            peft_model,
+            [p for p in peft_model.parameters() if p.requires_grad],
+            examples,
+            pad_token_id=pad_token_id,
+            train=train,
+            context=context,
+            alternate_examples=alternate_examples,
+            show_progress=show_progress,
         )
-        losses: list[float] = []
-        started = time.perf_counter()
-        peft_model.train()
-        steps = tqdm(range(train.steps), desc=f"local {train.objective}", disable=not show_progress)
-        for _ in steps:
-            loss = objective(peft_model, next(batches), context)
-            if not math.isfinite(loss.item()):
-                raise FloatingPointError(
-                    f"objective {train.objective!r} produced a non-finite loss "
-                    f"({loss.item()}) at step {len(losses) + 1} of {train.steps}"
-                )
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-            optimizer.step()
-            losses.append(loss.item())
-        seconds = time.perf_counter() - started
         peft_model.eval()
         task_vector: dict[str, torch.Tensor] = {}
         prefix = "base_model.model."
@@ -239,10 +174,4 @@ def train_lora_task_vector(
         model.train(was_training)
         for name, p in model.named_parameters():
             p.requires_grad_(requires_grad.get(name, p.requires_grad))
-    stats = {
-        "train_seconds": seconds,
-        "steps": float(train.steps),
-        "loss_first": losses[0],
-        "loss_last": losses[-1],
-    }
     return task_vector, stats

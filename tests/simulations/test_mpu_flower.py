@@ -3,7 +3,11 @@
 import json
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
+from fedunlearn.models.llama import new_tiny_llama
+from fedunlearn.uploads import load_uploads
 from simulations import run_local
 
 pytestmark = pytest.mark.slow
@@ -18,12 +22,19 @@ SMALL_RUN = (
     "options",
     [
         "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret='do-not-leak-4711'",
-        "mpu-merge='sum' mpu-copies=3",
+        # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained
+        "mpu-merge='sum' mpu-copies=3 finetune='full' mpu-sigma-source='task-vector' "
+        "mpu-pretrained-path='{pretrained}' save-uploads=true",
         "mpu-merge='fulm' mpu-mode='noised'",
         "mpu-merge='firm' mpu-mode='clean'",
     ],
 )
 def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
+    if "{pretrained}" in options:  # another random model stands for θ_pretrained
+        pretrained = tmp_path / "pretrained"
+        model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+        new_tiny_llama(model.config, seed=1).save_pretrained(pretrained)
+        options = options.format(pretrained=pretrained)
     path = run_local.run(
         run_config=f"model-path='{tiny_checkpoint}' strategy='mpu' {options} {SMALL_RUN}",
         output_dir=tmp_path / "out",
@@ -46,3 +57,9 @@ def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
     mpu = results["mpu"]
     assert mpu["mode"] == config["mpu-mode"] and mpu["copies"] == copies
     assert mpu["server_seconds"]["publish"] > 0 and mpu["server_seconds"]["map_back"] > 0
+    assert mpu["sigma_source"] == config["mpu-sigma-source"]
+    assert all(s > 0 for s in mpu["sigma_per_layer"].values()) or config["mpu-mode"] == "clean"
+    if config["finetune"] == "full":  # dense updates, not 3 copies of rank ≤ 4 mapped back
+        forget = [u for u in load_uploads(path.parent / "uploads") if u.role == "forget"]
+        update = forget[0].task_vector["model.layers.0.mlp.down_proj.weight"]
+        assert torch.linalg.matrix_rank(update) > 3 * 4

@@ -97,3 +97,27 @@ def test_replies_map_back_and_cancel_the_noise_to_first_order(tiny_model, copies
         assert (update.fisher[name] >= 0).all()
     plain = {n: sum(u[n] for u in updates) / copies for n in names}  # without T⁻¹ and weights
     assert max((plain[n] + eta * state[n]).abs().max() for n in names) > 1e-3
+
+
+def test_task_vector_sigma_uses_the_pretrained_weights(tiny_model):
+    """σ_ℓ = κ·RMS(θ_ℓ − θ_pretrained,ℓ) with ``sigma_reference``; κ·RMS(θ_ℓ) without."""
+    state = _state(tiny_model)
+    pretrained = {k: v + 0.01 * torch.ones_like(v) for k, v in state.items()}
+    kwargs = dict(
+        merge="sum",
+        model_config=tiny_model.config,
+        secret=b"s",
+        kappa=0.05,
+        assignments=[ClientAssignment("forget", "d", (0,))],
+    )
+    by_task = MpuStrategy(sigma_reference=pretrained, **kwargs)
+    by_weights = MpuStrategy(**kwargs)
+    by_task.node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    by_weights.node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    assert by_task.report()["sigma_source"] == "task-vector"
+    # θ − θ_pretrained is −0.01 everywhere: RMS 0.01 in every layer
+    for layer, sigma in by_task.sigma_per_layer.items():
+        assert sigma == pytest.approx(0.05 * 0.01, rel=1e-6), layer
+    layer0 = [v for k, v in state.items() if k.startswith("model.layers.0.")]
+    rms = torch.cat([v.flatten().double() for v in layer0]).pow(2).mean().sqrt().item()
+    assert by_weights.sigma_per_layer[0] == pytest.approx(0.05 * rms, rel=1e-6)
