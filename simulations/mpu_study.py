@@ -4,11 +4,12 @@
 
 Every cell is one real Flower simulation with ``strategy=mpu`` (the baselines run through the
 same code path: ``mpu-mode=clean`` sends one exact copy, ``noised`` one noisy copy without
-reparameterisation or denoising). Writes ``mpu_study.json``, ``mpu_study.md`` and
-``mpu_study.png`` (forget quality and utility per κ and m) into the output folder; every run's
-``results.json`` stays under ``runs/``. Cells use a fixed study secret (override with
-``mpu-secret=`` in ``--run-config``) so the study is reproducible; a plain run's default is a
-fresh random secret. The overhead columns are measured in the same runs:
+reparameterisation or denoising). Writes ``mpu_study.json``, ``mpu_study.md``,
+``mpu_table.png`` (Clean / Noised / MPU per objective) and ``mpu_study.png`` (forget quality
+and utility per κ and m) into the output folder; every run's ``results.json`` stays under
+``runs/``. Randomised cells run with ``--replicates`` fixed study secrets (fresh noise and
+reparameterisation keys each, mean ± std reported) so the study is reproducible; a plain
+run's default is a fresh random secret. The overhead columns are measured in the same runs:
 server pre-/post-processing time ÷ the wrapped merge's time on the same updates, bytes sent
 to each client per round, and the forget clients' compute ÷ that of the Clean run.
 """
@@ -29,7 +30,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from simulations import run_local  # noqa: E402
 
-METRICS = ("forget_quality", "forget_truth_ratio", "forget_rouge_l", "model_utility")
+METRICS = ("forget_quality", "forget_truth_ratio", "forget_rouge_l", "model_utility", "privleak")
+STUDY_SECRET = "fedunlearn-mpu-study"
 
 
 def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
@@ -53,6 +55,42 @@ def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
     }
 
 
+def _replicated(
+    run_config: str, output_dir: Path, name: str, replicates: int, randomised: bool
+) -> dict[str, Any]:
+    """One cell, run with ``replicates`` study secrets (fresh noise and reparameterisation
+    keys each; Clean has no server randomness and runs once). Metrics are the mean over
+    replicates, ``metrics_std`` their standard deviation, ``replicates`` every run's numbers."""
+    runs = []
+    for r in range(replicates if randomised else 1):
+        secret = f" mpu-secret='{STUDY_SECRET}-{r}'" if "mpu-secret=" not in run_config else ""
+        suffix = f"-r{r}" if randomised else ""
+        runs.append(_cell(run_config + secret, output_dir / "runs" / f"{name}{suffix}"))
+    cell = dict(runs[0])
+    for key in ("metrics",):
+        values = {k: [run[key][k] for run in runs] for k in METRICS}
+        cell[key] = {k: _mean(v) for k, v in values.items()}
+        cell["metrics_std"] = {k: _std(v) for k, v in values.items()}
+    for key in ("forget_client_train_seconds", "publish_over_merge", "map_back_over_merge"):
+        cell[key] = _mean([run[key] for run in runs])
+    cell["replicates"] = [run["metrics"] for run in runs]
+    cell["results"] = [run["results"] for run in runs]
+    return cell
+
+
+def _mean(values: list[Any]) -> float | None:
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    return sum(numbers) / len(numbers) if numbers else None
+
+
+def _std(values: list[Any]) -> float | None:
+    numbers = [float(v) for v in values if isinstance(v, int | float)]
+    if len(numbers) < 2:
+        return None
+    mean = sum(numbers) / len(numbers)
+    return (sum((x - mean) ** 2 for x in numbers) / (len(numbers) - 1)) ** 0.5
+
+
 def study(
     objectives: list[str],
     run_config: str,
@@ -60,13 +98,12 @@ def study(
     *,
     kappas: tuple[float, ...] = (0.01, 0.05, 0.1),
     copies: tuple[int, ...] = (2, 3, 4),
+    replicates: int = 1,
 ) -> dict[str, Any]:
-    """Table 1 (objective × Clean / Noised / MPU m=2 κ=0.01), then κ and m sweeps on GA."""
+    """Table 1 (objective × Clean / Noised / MPU m=2 κ=0.01), then κ and m sweeps on GA,
+    each randomised cell over ``replicates`` study secrets."""
     output_dir.mkdir(parents=True, exist_ok=True)
     base = f"strategy='mpu' {run_config}".strip()
-    if "mpu-secret=" not in base:
-        # reproducible cells: a fixed study secret (a run's default is a fresh random secret)
-        base += " mpu-secret='fedunlearn-mpu-study'"
     table: list[dict[str, Any]] = []
     for objective in objectives:
         for mode, extra in (
@@ -74,9 +111,12 @@ def study(
             ("noised", "mpu-mode='noised' mpu-kappa=0.01"),
             ("mpu", "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01"),
         ):
-            cell = _cell(
+            cell = _replicated(
                 f"{base} objective='{objective}' {extra}",
-                output_dir / "runs" / f"{objective}-{mode}",
+                output_dir,
+                f"{objective}-{mode}",
+                replicates,
+                randomised=mode != "clean",
             )
             table.append({"objective": objective, "mode": mode, **cell})
     sweep: list[dict[str, Any]] = []
@@ -86,7 +126,8 @@ def study(
                 continue  # κ varies at m = 2, m varies at κ = 0.01
             name = f"ga-mpu-k{kappa:g}-m{m}"
             config = f"{base} objective='ga' mpu-mode='mpu' mpu-copies={m} mpu-kappa={kappa}"
-            sweep.append({"kappa": kappa, "m": m, **_cell(config, output_dir / "runs" / name)})
+            cell = _replicated(config, output_dir, name, replicates, randomised=True)
+            sweep.append({"kappa": kappa, "m": m, **cell})
     clean = {r["objective"]: r for r in table if r["mode"] == "clean"}
     for row in table + sweep:
         ref = clean.get(row.get("objective", "ga"))
@@ -94,15 +135,18 @@ def study(
             row["client_compute_over_clean"] = (
                 row["forget_client_train_seconds"] / ref["forget_client_train_seconds"]
             )
-    summary = {"run_config": run_config, "table": table, "sweep": sweep}
+    summary = {"run_config": run_config, "replicates": replicates, "table": table, "sweep": sweep}
     (output_dir / "mpu_study.json").write_text(json.dumps(summary, indent=2))
     (output_dir / "mpu_study.md").write_text(study_markdown(summary))
     plot_sweep(summary, output_dir / "mpu_study.png")
+    plot_table(summary, output_dir / "mpu_table.png")
     return summary
 
 
-def _fmt(value: Any) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else ("–" if value is None else str(value))
+def _fmt(value: Any, std: Any = None) -> str:
+    if not isinstance(value, float):
+        return "–" if value is None else str(value)
+    return f"{value:.3f} ± {std:.3f}" if isinstance(std, float) else f"{value:.3f}"
 
 
 def study_markdown(summary: dict[str, Any]) -> str:
@@ -136,7 +180,7 @@ def study_markdown(summary: dict[str, Any]) -> str:
 def _row(label: str, r: dict[str, Any]) -> str:
     return (
         f"| {label} | "
-        + " | ".join(_fmt(r["metrics"][k]) for k in METRICS)
+        + " | ".join(_fmt(r["metrics"][k], r.get("metrics_std", {}).get(k)) for k in METRICS)
         + f" | {_fmt(r['publish_over_merge'])} | {_fmt(r['map_back_over_merge'])} | "
         f"{r['bytes_to_client'] / 1e6:.1f} | {_fmt(r.get('client_compute_over_clean'))} |"
     )
@@ -162,16 +206,55 @@ def plot_sweep(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def plot_table(summary: dict[str, Any], path: Path) -> Path:
+    """Clean / Noised / MPU per objective: one panel per metric, bars with ± std."""
+    rows = summary["table"]
+    objectives = list(dict.fromkeys(r["objective"] for r in rows))
+    modes = ("clean", "noised", "mpu")
+    shown = [m for m in METRICS if any(r["metrics"][m] is not None for r in rows)]
+    fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.8), squeeze=False)
+    width = 0.8 / len(modes)
+    for ax, metric in zip(axes[0], shown, strict=True):
+        for j, mode in enumerate(modes):
+            cells = [
+                next((r for r in rows if r["objective"] == o and r["mode"] == mode), None)
+                for o in objectives
+            ]
+            values = [(c["metrics"][metric] or 0.0) if c else 0.0 for c in cells]
+            errors = [(c.get("metrics_std", {}).get(metric) or 0.0) if c else 0.0 for c in cells]
+            xs = [i + (j - 1) * width for i in range(len(objectives))]
+            ax.bar(xs, values, width, yerr=errors, capsize=2, label=mode)
+        reference = rows[0]["reference"].get(metric) if rows else None
+        if isinstance(reference, float):
+            ax.axhline(reference, color="k", lw=0.8, ls="--", label="reference")
+        ax.set_xticks(range(len(objectives)), objectives)
+        ax.set_title(metric, fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objectives", default="ga,graddiff,npo,simnpo")
     parser.add_argument("--run-config", default="", help="extra run-config overrides")
     parser.add_argument("--output-dir", type=Path, default=None)
+    parser.add_argument(
+        "--replicates", type=int, default=1, help="study secrets per randomised cell"
+    )
     args = parser.parse_args(argv)
     logging.getLogger("flwr").propagate = False
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"mpu-{stamp}").resolve()
-    summary = study([o for o in args.objectives.split(",") if o], args.run_config, output_dir)
+    summary = study(
+        [o for o in args.objectives.split(",") if o],
+        args.run_config,
+        output_dir,
+        replicates=args.replicates,
+    )
     print(study_markdown(summary))
     print(f"written to {output_dir}")
     return 0

@@ -17,6 +17,8 @@ from fedunlearn.benchmarks.tofu import (
 )
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
 from fedunlearn.evaluation import evaluate_tofu, exact_match, greedy_generate
+from fedunlearn.evaluation.muse_metrics import membership_auc, min_k_percent_scores, privleak
+from fedunlearn.qa_format import format_answer, format_prompt
 from fedunlearn.scenarios.base import (
     ClientAssignment,
     Scenario,
@@ -181,6 +183,7 @@ class TofuScenario(Scenario):
         "model_utility",
         "retain_rouge_l",
         "retain_exact_match",
+        "privleak",
     )
     forget_metric = "forget_rouge_l"
     utility_metric = "model_utility"
@@ -271,7 +274,50 @@ class TofuScenario(Scenario):
         )
         if reference_metrics is None and splits is None:
             metrics.setdefault("forget_quality", None)
+        if splits is None:
+            metrics.update(self.privleak_metrics(model, tokenizer, reference_metrics))
         return metrics
+
+    def holdout_records(self) -> list[dict[str, Any]]:
+        """QA of as many never-trained authors as the forget split has (at least 2): a
+        second generated benchmark (another seed stream) minus any name the data holds.
+        Empty with real files (``data-path``), whose published splits have no holdout."""
+        if self.params.data_path:
+            return []
+        forget = self.data.forget_authors(self.params.forget_percent)
+        known = set(self.data.author_names)
+        wanted = max(2, len(forget))
+        other = generate_tofu(
+            self.params.seed + 1_000_003, max(2 * wanted, 4), self.params.qa_per_author
+        )
+        names = [n for n in other.author_names if n not in known][:wanted]
+        return [r for r in other.author_qa if r["author"] in set(names)]
+
+    def privleak_metrics(
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        reference_metrics: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """Min-K% (k = 0.4) membership AUC of forget vs never-trained holdout QA (prompt +
+        answer text) and PrivLeak relative to the reference's AUC (SPEC §5.3 on TOFU)."""
+        holdout = self.holdout_records()
+        if not holdout:
+            return {"privleak_auc": None, "privleak": None}
+
+        def texts(records: list[dict[str, Any]]) -> list[str]:
+            return [format_prompt(r["question"]) + format_answer(r["answer"]) for r in records]
+
+        forget = self.data.forget_split(self.params.forget_percent)
+        auc = membership_auc(
+            min_k_percent_scores(model, tokenizer, texts(forget)),
+            min_k_percent_scores(model, tokenizer, texts(holdout)),
+        )
+        reference_auc = (reference_metrics or {}).get("privleak_auc")
+        return {
+            "privleak_auc": auc,
+            "privleak": privleak(auc, reference_auc) if reference_auc else None,
+        }
 
     def check_knowledge(
         self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase

@@ -76,3 +76,19 @@ def test_heterogeneous_retain_layout(data):
     last = {records[i]["author"] for i in retain[2].indices}
     assert first and last and not first & last
     assert not (first | last) & set(data.forget_authors(1.0))
+
+
+def test_tofu_holdout_is_never_trained_and_privleak_is_relative(tiny_model, tiny_tokenizer):
+    from fedunlearn.scenarios import ScenarioParams, get_scenario
+
+    scenario = get_scenario("tofu")(ScenarioParams(num_authors=20, forget_percent=10.0))
+    holdout = scenario.holdout_records()
+    names = {r["author"] for r in holdout}
+    assert len(names) == len(scenario.data.forget_authors(10.0)) == 2
+    assert not names & set(scenario.data.author_names)
+    assert len(holdout) == 2 * scenario.params.qa_per_author
+    assert holdout == scenario.holdout_records()  # seeded
+    alone = scenario.privleak_metrics(tiny_model, tiny_tokenizer, None)
+    assert 0.0 <= alone["privleak_auc"] <= 1.0 and alone["privleak"] is None
+    relative = scenario.privleak_metrics(tiny_model, tiny_tokenizer, {"privleak_auc": 0.5})
+    assert relative["privleak"] == pytest.approx((alone["privleak_auc"] - 0.5) / 0.5 * 100)
