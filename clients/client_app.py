@@ -8,8 +8,6 @@ objective and replies with the dense task vector, the Fisher diagonal and its me
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import time
 
@@ -17,13 +15,14 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message
 from flwr.clientapp import ClientApp
 
+from clients.fit_task import fit_reply
+from clients.local_data import client_scenario, shard
 from clients.messages import encode_client_reply, rebuild_model, rebuild_tokenizer
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
 from fedunlearn.objectives.refusal import refusal_examples
 from fedunlearn.qa_format import encode_record
-from fedunlearn.scenarios import Scenario, ScenarioParams, get_scenario
 from fedunlearn.training.full_finetune import train_full_task_vector
 from fedunlearn.training.lora import (
     LocalTrainSettings,
@@ -36,30 +35,6 @@ from fedunlearn.training.lora import (
 app = ClientApp()
 
 ROLES = ("forget", "retain")
-
-
-@functools.lru_cache(maxsize=4)
-def _scenario(name: str, params: ScenarioParams) -> Scenario:
-    return get_scenario(name)(params)
-
-
-def client_scenario(config: ConfigRecord, context: Context) -> Scenario:
-    """The scenario rebuilt from the message (the client's local copy of the benchmark).
-
-    A ``data-path`` in the node config (deployment: each machine's own files) takes
-    precedence over the one in the message.
-    """
-    params = ScenarioParams(**json.loads(str(config["scenario-params-json"])))
-    data_path = str(context.node_config.get("data-path", params.data_path))
-    return _scenario(str(config["scenario"]), dataclasses.replace(params, data_path=data_path))
-
-
-def shard(records: list[dict], indices: list[int], what: str) -> list[dict]:
-    """``records[i]`` for every index, with a clear error for indices out of range."""
-    bad = [i for i in indices if not 0 <= i < len(records)]
-    if bad:
-        raise IndexError(f"{what} indices {bad[:5]} are outside the {len(records)} records")
-    return [records[i] for i in indices]
 
 
 def lora_settings(config: ConfigRecord) -> LoraSettings:
@@ -80,6 +55,8 @@ def train(msg: Message, context: Context) -> Message:
     client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
     """
     config = msg.content["config"]
+    if str(config.get("task", "unlearn")) == "fit":  # DP2Unlearning's federated training
+        return fit_reply(msg, context)
     role = str(config["role"])
     if role not in ROLES:
         raise ValueError(f"node {context.node_id}: unknown role {role!r} (expected {ROLES})")

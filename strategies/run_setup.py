@@ -6,6 +6,8 @@ uploads and must evaluate exactly like the server does).
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass, field
 from logging import INFO
@@ -109,3 +111,25 @@ def evaluate_model(
     )
     log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
     return metrics
+
+
+def client_settings(settings: RunSettings) -> dict[str, Any]:
+    """What every client needs besides the model: scenario parameters (to rebuild its own
+    data shard locally), training and LoRA settings, objective options."""
+    return {
+        "scenario": settings.scenario,
+        "scenario-params-json": json.dumps(dataclasses.asdict(settings.scenario_params())),
+        "objective": settings.objective,
+        "objective-options-json": json.dumps(settings.objective_options()),
+        "batch-size": settings.batch_size,
+        "lora-rank": settings.lora_rank,
+        "lora-alpha": settings.lora_alpha,
+        "lora-targets": settings.lora_targets,
+        "lora-layers": settings.lora_layers,
+        "finetune": settings.finetune,
+        "load-in-4bit": settings.load_in_4bit,
+        "dtype": settings.dtype,
+        "fisher-batches": settings.fisher_batches,
+        "seed": settings.seed,
+        "client-threads": settings.client_threads,
+    }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import logging
 import time
@@ -18,10 +17,16 @@ from flwr.serverapp import Grid, ServerApp
 from clients.messages import describe_model, wire_state
 from fedunlearn.mpu import server_secret
 from fedunlearn.uploads import save_uploads
+from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.results import format_summary_table, json_safe
-from strategies.run_setup import evaluate_model, load_run_model, pretrained_state
+from strategies.run_setup import (
+    client_settings,
+    evaluate_model,
+    load_run_model,
+    pretrained_state,
+)
 from strategies.settings import RunSettings
 
 app = ServerApp()
@@ -45,6 +50,19 @@ def main(grid: Grid, context: Context) -> None:
     settings = settings.for_model(int(model.config.num_hidden_layers))
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
+    if settings.strategy == "dp2u":
+        t0 = time.perf_counter()
+        outcome = Dp2uPipeline(grid, settings, run_model).run()
+        phases["dp2u"] = time.perf_counter() - t0
+        phases["total"] = time.perf_counter() - run_started
+        results = {
+            "config": settings.as_dict(),
+            **outcome,
+            "substrate": run_model.info,
+            "seconds": phases,
+        }
+        _write_results(output_dir, results, outcome["metrics"], scenario)
+        return
 
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
@@ -137,6 +155,11 @@ def main(grid: Grid, context: Context) -> None:
     }
     if settings.save_uploads:
         results["uploads"] = str(save_uploads(strategy.last_updates, output_dir / "uploads"))
+    _write_results(output_dir, results, metrics, scenario)
+
+
+def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
+    """results.json (atomically), then the summary table and sample generations in the log."""
     path = output_dir / "results.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=2))
@@ -160,25 +183,3 @@ def applied_update_error(
         num += float(((applied - d.double()) ** 2).sum())
         den += float((d.double() ** 2).sum())
     return (num / den) ** 0.5 if den > 0 else 0.0
-
-
-def client_settings(settings: RunSettings) -> dict[str, Any]:
-    """What every client needs besides the model: scenario parameters (to rebuild its own
-    data shard locally), training and LoRA settings, objective options."""
-    return {
-        "scenario": settings.scenario,
-        "scenario-params-json": json.dumps(dataclasses.asdict(settings.scenario_params())),
-        "objective": settings.objective,
-        "objective-options-json": json.dumps(settings.objective_options()),
-        "batch-size": settings.batch_size,
-        "lora-rank": settings.lora_rank,
-        "lora-alpha": settings.lora_alpha,
-        "lora-targets": settings.lora_targets,
-        "lora-layers": settings.lora_layers,
-        "finetune": settings.finetune,
-        "load-in-4bit": settings.load_in_4bit,
-        "dtype": settings.dtype,
-        "fisher-batches": settings.fisher_batches,
-        "seed": settings.seed,
-        "client-threads": settings.client_threads,
-    }

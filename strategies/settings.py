@@ -17,6 +17,7 @@ from fedunlearn.training.lora import parse_layers
 
 DTYPES = ("auto", "float32", "bfloat16")  # float16 would need loss scaling
 FINETUNE_MODES = ("lora", "full")
+DP2U_METHODS = ("dp2u-sgd", "dp2u-mlm", "rfs-r", "ga", "graddiff", "kl", "idk")
 MPU_SIGMA_SOURCES = ("weights", "task-vector")
 
 
@@ -95,6 +96,21 @@ class RunSettings:
     mpu_server_lr: float = 1.0
     mpu_sigma_source: str = "weights"  # weights | task-vector (θ − θ_pretrained)
     mpu_pretrained_path: str = ""  # θ_pretrained for task-vector; "" = the substrate's
+    # DP2Unlearning (strategy=dp2u): DP base, deployed fine-tune, retain-only unlearning
+    dp2u_method: str = "dp2u-sgd"  # dp2u-sgd | dp2u-mlm | rfs-r | ga | graddiff | kl | idk
+    dp2u_clients: int = 4
+    dp2u_epsilon: float = 1.0  # DP-SGD: per client, all stage-A rounds; DP-MLM: per token
+    dp2u_delta: float = 1e-5
+    dp2u_clip: float = 1.0
+    dp2u_dp_rounds: int = 2
+    dp2u_dp_lr: float = 0.05
+    dp2u_dp_batch_size: int = 64
+    dp2u_finetune_rounds: int = 5  # E′ (stages B and C)
+    dp2u_retrain_rounds: int = 10  # E (RFS-R and the non-DP deployed model)
+    dp2u_lr: float = 2e-3
+    dp2u_batch_size: int = 32
+    dp2u_mlm_sensitive_only: bool = False
+    dp2u_mlm_path: str = ""  # a local masked-LM checkpoint; "" = built from the public corpus
     # baselines
     ties_k: float = 0.2
     fulm_threshold: float = 0.6
@@ -188,6 +204,8 @@ class RunSettings:
             raise ValueError(f"finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
         if self.finetune == "full" and self.load_in_4bit:
             raise ValueError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
+        if self.strategy == "dp2u":
+            self._validate_dp2u()
         if self.strategy == "mpu":
             if self.mpu_mode not in ("mpu", "clean", "noised"):
                 raise ValueError(f"mpu-mode must be mpu, clean or noised, got {self.mpu_mode!r}")
@@ -327,8 +345,33 @@ class RunSettings:
             params.update(k=self.fulm_k, threshold=self.fulm_threshold)
         return params
 
+    def _validate_dp2u(self) -> None:
+        if self.dp2u_method not in DP2U_METHODS:
+            raise ValueError(f"dp2u-method must be one of {DP2U_METHODS}, got {self.dp2u_method!r}")
+        if self.scenario != "tofu":
+            raise ValueError(f"strategy 'dp2u' runs on the tofu scenario, not {self.scenario!r}")
+        if not 0 < self.dp2u_epsilon < math.inf:
+            raise ValueError(f"dp2u-epsilon must be positive and finite, got {self.dp2u_epsilon}")
+        if not 0 < self.dp2u_delta < 1:
+            raise ValueError(f"dp2u-delta must be in (0, 1), got {self.dp2u_delta}")
+        for name in (
+            "dp2u_clients",
+            "dp2u_dp_rounds",
+            "dp2u_finetune_rounds",
+            "dp2u_retrain_rounds",
+            "dp2u_batch_size",
+            "dp2u_dp_batch_size",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
+        for name in ("dp2u_clip", "dp2u_dp_lr", "dp2u_lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name.replace('_', '-')} must be > 0")
+
     @property
     def num_clients(self) -> int:
+        if self.strategy == "dp2u":
+            return self.dp2u_clients
         return self.num_forget_clients + self.num_retain_clients
 
     def resolved_output_dir(self) -> Path:

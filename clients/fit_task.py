@@ -1,0 +1,144 @@
+"""Federated training tasks of DP2Unlearning on a data client (SPEC §4).
+
+A TRAIN message with ``task='fit'`` asks the client to train the received full weights on
+its own records for one round and send them back (the server averages them):
+
+* ``stage='dp-base'`` (stage A, DP-SGD): Opacus DP-SGD; the client's RDP accountant lives in
+  ``context.state`` and persists across rounds; the ε it has spent is in the reply;
+* ``stage='mlm-base'`` (stage A, DP-MLM): plain training on the client's records rewritten by
+  the DP-MLM (rewritten once, on the client, with ε per replaced token; cached in the state);
+* ``stage='deploy'`` (stage B) and ``'retrain'`` (RFS-R): plain training on every record;
+* ``stage='unlearn'`` (stage C) and ``'retrain'``: the records named in ``forget-indices`` are
+  dropped HERE, before anything is encoded; the reply carries a digest of exactly the
+  examples that reached the training loop, so the server can verify it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+
+from clients.local_data import client_scenario, shard
+from clients.messages import rebuild_model, rebuild_tokenizer, wire_state
+from fedunlearn.dp.dpsgd import AccountantState, DpSgdSettings, train_dp_sgd
+from fedunlearn.dp2u import examples_digest
+from fedunlearn.qa_format import encode_record
+from fedunlearn.training.full import train_full
+
+FIT_STAGES = ("dp-base", "mlm-base", "deploy", "unlearn", "retrain")
+DROPS_FORGET = ("unlearn", "retrain")
+
+
+def _local_records(config: ConfigRecord, context: Context, stage: str) -> list[dict]:
+    records = client_scenario(config, context).records()
+    indices = [int(i) for i in config["indices"]]
+    if stage in DROPS_FORGET:
+        forget = {int(i) for i in config["forget-indices"]}
+        indices = [i for i in indices if i not in forget]
+    if not indices:
+        raise ValueError(f"node {context.node_id}: no records left to train on in {stage!r}")
+    return shard(records, indices, "shard")
+
+
+def _rewritten(records: list[dict], config: ConfigRecord, context: Context) -> list[dict]:
+    """The client's records after DP-MLM rewriting, done once per run and kept locally."""
+    key = "dp-mlm"
+    if key in context.state:
+        cached = context.state[key]
+        return json.loads(str(cached["records-json"]))
+    from fedunlearn.dp.mlm import load_masked_lm, rewrite_records  # DP-MLM stage only
+
+    path = str(context.node_config.get("mlm-path", config["mlm-path"]))
+    mlm, mlm_tokenizer = load_masked_lm(path)
+    rewritten, report = rewrite_records(
+        records,
+        mlm,
+        mlm_tokenizer,
+        epsilon_per_token=float(config["mlm-epsilon"]),
+        seed=int(config["seed"]),
+        sensitive_only=bool(config["mlm-sensitive-only"]),
+    )
+    context.state[key] = ConfigRecord(
+        {"records-json": json.dumps(rewritten), "report-json": json.dumps(report)}
+    )
+    return rewritten
+
+
+def fit_reply(msg: Message, context: Context) -> Message:
+    """Train the received weights for one round of ``config['stage']`` and reply with them."""
+    config = msg.content["config"]
+    stage = str(config["stage"])
+    if stage not in FIT_STAGES:
+        raise ValueError(f"node {context.node_id}: unknown stage {stage!r} (expected {FIT_STAGES})")
+    torch.set_num_threads(max(1, int(config.get("client-threads", 1))))
+    started = time.perf_counter()
+    tokenizer = rebuild_tokenizer(config)
+    records = _local_records(config, context, stage)
+    metrics: dict[str, float] = {}
+    if stage == "mlm-base":
+        records = _rewritten(records, config, context)
+        report = json.loads(str(context.state["dp-mlm"]["report-json"]))
+        metrics["mlm-epsilon-max"] = float(report.get("epsilon_max", math.nan))
+        metrics["mlm-tokens-replaced"] = float(report.get("tokens_replaced", 0))
+    examples = [encode_record(tokenizer, r) for r in records]
+    model = rebuild_model(config, msg.content["arrays"])
+    seed = int(config["seed"])
+    if stage == "dp-base":
+        state = (
+            AccountantState.from_json(str(context.state["dp-accountant"]["json"]))
+            if "dp-accountant" in context.state
+            else AccountantState()
+        )
+        settings = DpSgdSettings(
+            epsilon=float(config["dp-epsilon"]),
+            delta=float(config["dp-delta"]),
+            max_grad_norm=float(config["dp-clip"]),
+            sample_rate=min(1.0, float(config["batch-size"]) / len(examples)),
+            steps_per_round=max(1, math.ceil(len(examples) / float(config["batch-size"]))),
+            total_rounds=int(config["total-rounds"]),
+            lr=float(config["lr"]),
+            seed=seed,
+        )
+        stats, state = train_dp_sgd(
+            model, examples, pad_token_id=tokenizer.pad_token_id, settings=settings, state=state
+        )
+        context.state["dp-accountant"] = ConfigRecord({"json": state.to_json()})
+        metrics.update(
+            {
+                "epsilon-spent": float(stats["epsilon_spent"]),
+                "delta": settings.delta,
+                "noise-multiplier": float(stats["noise_multiplier"]),
+                "loss_last": float(stats["loss_last"]),
+                "steps": float(stats["steps"]),
+            }
+        )
+    else:
+        losses = train_full(
+            model,
+            examples,
+            pad_token_id=tokenizer.pad_token_id,
+            epochs=int(config["local-epochs"]),
+            lr=float(config["lr"]),
+            batch_size=int(config["batch-size"]),
+            seed=seed,
+            show_progress=False,
+        )
+        metrics["loss_last"] = float(losses[-1])
+    metrics.update(
+        {
+            "num-examples": float(len(examples)),
+            "total-seconds": time.perf_counter() - started,
+        }
+    )
+    content = RecordDict(
+        {
+            "arrays": wire_state(model),
+            "metrics": MetricRecord(metrics),
+            "info": ConfigRecord({"stage": stage, "examples-digest": examples_digest(examples)}),
+        }
+    )
+    return Message(content=content, reply_to=msg)

@@ -1,0 +1,99 @@
+"""DP2Unlearning, federated (SPEC §4): who holds which records, FedAvg of client weights,
+and the proof of what reached a training loop.
+
+Every data client holds a contiguous shard of the fictitious authors (all of their QA).
+A forget request names authors (TOFU convention: the last ``forget_percent`` % of them);
+the clients holding them keep every other record. Stage A trains the base model BM_DP under
+DP on all records, stage B fine-tunes it on all records (deployed model FM), stage C
+restarts from BM_DP on the retained records only (unlearned model UM). The forgotten records
+were only ever seen under (ε, δ)-DP, so UM carries that guarantee for them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fedunlearn.benchmarks.tofu import TofuData
+from fedunlearn.training.batching import Example
+
+STAGES = ("dp-base", "mlm-base", "public-base", "deploy", "unlearn", "retrain")
+
+
+@dataclass(frozen=True)
+class DataShard:
+    """One data client's records: ``indices`` into the scenario's records (author QA), and
+    ``forget`` ⊆ ``indices``, the records a forget request removes from this client."""
+
+    indices: tuple[int, ...]
+    forget: tuple[int, ...]
+
+    @property
+    def retained(self) -> tuple[int, ...]:
+        """D_r on this client: its records minus the forgotten ones (order kept)."""
+        gone = set(self.forget)
+        return tuple(i for i in self.indices if i not in gone)
+
+
+def data_shards(data: TofuData, num_clients: int, forget_percent: float) -> list[DataShard]:
+    """Contiguous author shards (every author's QA on one client), the forget authors marked.
+
+    Author order is the benchmark's, so the forget authors (the last ones) sit on the last
+    client(s), as a deletion request would hit whoever holds those people's data.
+    """
+    authors = data.author_names
+    if not 1 <= num_clients <= len(authors):
+        raise ValueError(f"dp2u-clients must be in [1, {len(authors)}], got {num_clients}")
+    forget_authors = set(data.forget_authors(forget_percent))
+    by_author: dict[str, list[int]] = {a: [] for a in authors}
+    for i, record in enumerate(data.author_qa):
+        by_author[record["author"]].append(i)
+    bounds = [round(k * len(authors) / num_clients) for k in range(num_clients + 1)]
+    shards = []
+    for k in range(num_clients):
+        names = authors[bounds[k] : bounds[k + 1]]
+        indices = tuple(i for a in names for i in by_author[a])
+        forget = tuple(i for a in names if a in forget_authors for i in by_author[a])
+        shards.append(DataShard(indices, forget))
+    return shards
+
+
+def fedavg(
+    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
+) -> dict[str, torch.Tensor]:
+    """Σ_k w_k θ_k / Σ_k w_k per tensor, accumulated in float64 in the given client order
+    (deterministic sums); the result has the first state's dtypes."""
+    if not states or len(states) != len(weights):
+        raise ValueError(f"fedavg needs one weight per state, got {len(states)} / {len(weights)}")
+    if any(w <= 0 for w in weights):
+        raise ValueError(f"fedavg weights must be > 0, got {list(weights)}")
+    keys = list(states[0])
+    for k, state in enumerate(states[1:], start=1):
+        if list(state) != keys:
+            missing = sorted(set(keys) ^ set(state))[:3]
+            raise ValueError(f"client {k}: tensor names differ from client 0's ({missing})")
+    total = float(sum(weights))
+    out = {}
+    for name in keys:
+        acc = torch.zeros(states[0][name].shape, dtype=torch.float64)
+        for state, w in zip(states, weights, strict=True):
+            value = state[name]
+            if value.shape != acc.shape:
+                raise ValueError(
+                    f"tensor {name!r}: shape {tuple(value.shape)} != {tuple(acc.shape)}"
+                )
+            acc += (w / total) * value.detach().to(torch.float64)
+        out[name] = acc.to(states[0][name].dtype)
+    return out
+
+
+def examples_digest(examples: Sequence[Example]) -> str:
+    """SHA-256 over the sorted token sequences of ``examples``: what a client reports about
+    the data that reached its training loop (order-free, reveals no text)."""
+    h = hashlib.sha256()
+    for ids, labels in sorted((tuple(i), tuple(lab)) for i, lab in examples):
+        h.update(repr((ids, labels)).encode())
+    return h.hexdigest()

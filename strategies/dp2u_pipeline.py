@@ -1,0 +1,386 @@
+"""DP2Unlearning on Flower (SPEC §4): stages A, B, C and the baselines, from run config.
+
+``strategy='dp2u'`` with ``dp2u-method``:
+
+* ``dp2u-sgd`` / ``dp2u-mlm``: stage A trains the base BM_DP from the public base with DP
+  (DP-SGD on every client, or plain training on DP-MLM-rewritten text); stage B fine-tunes
+  BM_DP on all records (deployed model FM, "before"); stage C restarts from BM_DP on the
+  retained records only (unlearned model UM, "after"). The server keeps BM_DP and its (ε, δ).
+* ``rfs-r``: retrain from the public base on the retained records (E rounds): exact
+  unlearning, the gold standard every method's forget quality is measured against.
+* ``ga`` / ``graddiff`` / ``kl`` / ``idk`` (PO): the non-DP deployed model (public base
+  fine-tuned on all records for E rounds), then one federated unlearning round on the
+  clients that hold the forget records (LoRA, ``forget-steps``, ``forget-lr``, sum merge).
+
+Every stage is a Flower FedAvg run over the data clients (one local epoch per round). Models
+of finished stages are cached on the server (``<cache-dir>/dp2u/<key>``, keyed by everything
+that determines them), so a sweep over methods and ε trains each shared stage once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import time
+from dataclasses import asdict
+from logging import INFO
+from pathlib import Path
+from typing import Any
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from safetensors.torch import load_file, save_file
+from transformers import PreTrainedModel
+
+from clients.messages import describe_model
+from fedunlearn.benchmarks.tofu import generate_background_corpus
+from fedunlearn.dp2u import DataShard, data_shards
+from fedunlearn.evaluation.distribution import truth_ratio_distances
+from fedunlearn.scenarios import ClientAssignment
+from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
+from strategies.fedtrain_strategy import FedTrainStrategy
+from strategies.merge_strategy import MergeStrategy
+from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
+from strategies.settings import RunSettings
+
+DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
+UNLEARN_METHODS = ("ga", "graddiff", "kl", "idk")
+RFS_R = "RFS-R (retain only, E)"
+STAGE_B = "B: deployed FM (E′)"
+STAGE_C = "C: unlearned UM (E′)"
+
+
+class StageCache:
+    """Finished stage models on disk: ``<folder>/<key>/model.safetensors`` + ``info.json``.
+
+    Written atomically (temporary folder, then rename), so a crash never leaves half a model.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    @staticmethod
+    def key(**fields: Any) -> str:
+        payload = json.dumps(fields, sort_keys=True, default=str)
+        return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+    def load(self, key: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
+        path = self.folder / key
+        if not (path / "info.json").is_file():
+            return None
+        return load_file(str(path / "model.safetensors")), json.loads(
+            (path / "info.json").read_text()
+        )
+
+    def save(self, key: str, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
+        tmp = self.folder / f".{key}.tmp"
+        tmp.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
+        (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str))
+        tmp.replace(self.folder / key)
+
+
+class Dp2uPipeline:
+    """One DP2Unlearning request: the stages a method needs, cached, then evaluation."""
+
+    def __init__(self, grid: Grid, settings: RunSettings, run_model: RunModel) -> None:
+        self.grid = grid
+        self.settings = settings
+        self.run_model = run_model
+        self.shards = data_shards(
+            run_model.scenario.data, settings.dp2u_clients, settings.forget_percent
+        )
+        cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
+        self.substrate_key = str(
+            run_model.info.get("cache_key")
+            or "model-" + hashlib.sha256(settings.model_path.encode()).hexdigest()[:16]
+        )
+        self.cache = StageCache(cache_root / "dp2u" / self.substrate_key)
+        self.stages: dict[str, dict[str, Any]] = {}
+        self.client_config = {
+            **describe_model(run_model.model, run_model.tokenizer),
+            **client_settings(settings),
+            "local-epochs": 1,
+        }
+
+    # ---- stages ------------------------------------------------------------------------------
+
+    def public_base(self) -> dict[str, torch.Tensor]:
+        """θ_public: the substrate's pre-trained stage (public corpus only), or model-path."""
+        if self.settings.model_path:
+            return {k: v.float().cpu() for k, v in self.run_model.model.state_dict().items()}
+        return pretrained_state(self.settings, self.run_model)
+
+    def stage(
+        self,
+        name: str,
+        stage: str,
+        start: tuple[str, dict[str, torch.Tensor]],
+        rounds: int,
+        config: dict[str, Any],
+    ) -> tuple[str, dict[str, torch.Tensor]]:
+        """Run (or load) one FedAvg stage from ``start`` = (key, weights); returns its key."""
+        s = self.settings
+        key = StageCache.key(
+            stage=stage,
+            start=start[0],
+            rounds=rounds,
+            config=config,
+            clients=[asdict(sh) for sh in self.shards]
+            if stage in ("unlearn", "retrain")
+            else [list(sh.indices) for sh in self.shards],
+            seed=s.seed,
+        )
+        cached = self.cache.load(key)
+        if cached is not None:
+            state, info = cached
+            self.stages[name] = {**info, "cached": True}
+            log(INFO, "dp2u: %s loaded from cache %s", name, key)
+            return key, state
+        log(INFO, "dp2u: %s (%s, %d rounds) on %d clients", name, stage, rounds, len(self.shards))
+        strategy = FedTrainStrategy(
+            stage=stage,
+            shards=self.shards,
+            client_config={**self.client_config, **config},
+            num_rounds=rounds,
+            node_wait_timeout=s.node_wait_timeout,
+        )
+        started = time.perf_counter()
+        result = strategy.start(
+            grid=self.grid,
+            initial_arrays=_arrays(start[1]),
+            num_rounds=rounds,
+            timeout=s.round_timeout,
+            train_config=ConfigRecord(),
+        )
+        state = result.arrays.to_torch_state_dict()
+        info = {
+            "stage": stage,
+            "key": key,
+            "rounds": rounds,
+            "seconds": time.perf_counter() - started,
+            # training compute: the clients' own seconds, summed (the wall time above also
+            # holds waiting for nodes, e.g. Ray starting them before the first stage)
+            "client_seconds": sum(
+                float(c.get("total_seconds", 0.0)) for r in strategy.rounds for c in r["clients"]
+            ),
+            "round_reports": strategy.rounds,
+        }
+        self.cache.save(key, state, info)
+        self.stages[name] = {**info, "cached": False}
+        return key, state
+
+    def public_mlm_path(self) -> str:
+        """A masked LM for DP-MLM: ``dp2u-mlm-path`` or one trained on the public corpus."""
+        if self.settings.dp2u_mlm_path:
+            return self.settings.dp2u_mlm_path
+        from fedunlearn.dp.mlm import train_masked_lm
+
+        folder = self.cache.folder / f"public-mlm-seed{self.settings.seed}"
+        if not (folder / "config.json").is_file():
+            texts = generate_background_corpus(
+                self.settings.seed, self.settings.substrate_background_documents
+            )
+            model, tokenizer = train_masked_lm(texts, seed=self.settings.seed)
+            tmp = folder.with_name(folder.name + ".tmp")
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+            tmp.replace(folder)
+        return str(folder)
+
+    def dp_base(self, public: tuple[str, dict[str, torch.Tensor]]):
+        s = self.settings
+        if s.dp2u_method == "dp2u-sgd":
+            config = {
+                "dp-epsilon": s.dp2u_epsilon,
+                "dp-delta": s.dp2u_delta,
+                "dp-clip": s.dp2u_clip,
+                "lr": s.dp2u_dp_lr,
+                "batch-size": s.dp2u_dp_batch_size,
+            }
+            return self.stage("A: DP base (DP-SGD)", "dp-base", public, s.dp2u_dp_rounds, config)
+        config = {
+            "mlm-path": self.public_mlm_path(),
+            "mlm-epsilon": s.dp2u_epsilon,
+            "mlm-sensitive-only": s.dp2u_mlm_sensitive_only,
+            "lr": s.dp2u_lr,
+            "batch-size": s.dp2u_batch_size,
+        }
+        return self.stage("A: DP base (DP-MLM)", "mlm-base", public, s.dp2u_dp_rounds, config)
+
+    # ---- the request -------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        s = self.settings
+        train = {"lr": s.dp2u_lr, "batch-size": s.dp2u_batch_size}
+        public = ("public:" + self.substrate_key, self.public_base())
+        _, rfs = self.stage(RFS_R, "retrain", public, s.dp2u_retrain_rounds, train)
+        metrics: dict[str, Any] = {"reference": self._evaluate("RFS-R", rfs, None)}
+        reference = metrics["reference"]
+        if s.dp2u_method == "rfs-r":
+            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
+            metrics["before"] = self._evaluate("deployed", deployed[1], reference)
+            metrics["after"] = self._evaluate("RFS-R", rfs, reference)
+            unlearn_name = RFS_R
+        elif s.dp2u_method in DP_METHODS:
+            base = self.dp_base(public)
+            deployed = self.stage(STAGE_B, "deploy", base, s.dp2u_finetune_rounds, train)
+            _, unlearned = self.stage(STAGE_C, "unlearn", base, s.dp2u_finetune_rounds, train)
+            metrics["base"] = self._evaluate("BM_DP", base[1], reference)
+            metrics["before"] = self._evaluate("FM", deployed[1], reference)
+            metrics["after"] = self._evaluate("UM", unlearned, reference)
+            unlearn_name = STAGE_C
+        else:
+            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
+            metrics["before"] = self._evaluate("deployed", deployed[1], reference)
+            unlearned, info = self._approximate_unlearning(deployed[1])
+            self.stages["unlearning round"] = info
+            metrics["after"] = self._evaluate("unlearned", unlearned, reference)
+            unlearn_name = "unlearning round"
+        rfs_info = self.stages[RFS_R]
+        cost = self.stages[unlearn_name]
+        return {
+            "metrics": metrics,
+            "dp2u": {
+                "method": s.dp2u_method,
+                "privacy": self._privacy(),
+                "stages": {k: _stage_summary(v) for k, v in self.stages.items()},
+                "cost_vs_rfs_r": {
+                    "epochs_ratio": (
+                        cost["rounds"] / rfs_info["rounds"] if cost["rounds"] else None
+                    ),
+                    "client_seconds_ratio": cost["client_seconds"] / rfs_info["client_seconds"],
+                },
+                "forget_truth_ratio_distances": truth_ratio_distances(
+                    metrics["after"]["forget_truth_ratios"], reference["forget_truth_ratios"]
+                ),
+                "shards": [
+                    {"records": len(sh.indices), "forget": len(sh.forget)} for sh in self.shards
+                ],
+                "data_check": self._data_check(),
+            },
+        }
+
+    def _approximate_unlearning(
+        self, deployed: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """One federated round of GA / GradDiff / KL / IDK on the clients holding forget
+        records (their retained records as local retain data), summed."""
+        s = self.settings
+        rng = random.Random(s.seed + 11)
+        assignments = [
+            ClientAssignment(
+                "forget",
+                TOFU_FORGET_DOMAIN,
+                sh.forget,
+                tuple(rng.sample(sh.retained, min(s.local_retain_samples, len(sh.retained)))),
+            )
+            for sh in self.shards
+            if sh.forget
+        ]
+        strategy = MergeStrategy(
+            merge="sum",
+            assignments=assignments,
+            client_config={**self.client_config, "objective": s.dp2u_method},
+            role_config={"forget": {"steps": s.forget_steps, "lr": s.forget_lr}},
+            node_wait_timeout=s.node_wait_timeout,
+        )
+        started = time.perf_counter()
+        result = strategy.start(
+            grid=self.grid,
+            initial_arrays=_arrays(deployed),
+            num_rounds=1,
+            timeout=s.round_timeout,
+            train_config=ConfigRecord(),
+        )
+        info = {
+            "stage": f"unlearn ({s.dp2u_method}, LoRA, {s.forget_steps} steps)",
+            "rounds": None,  # not epochs: forget-steps LoRA steps on the forget records
+            "seconds": time.perf_counter() - started,
+            "client_seconds": sum(float(c.get("seconds", 0.0)) for c in strategy.client_reports),
+            "clients": strategy.client_reports,
+            "cached": False,
+        }
+        return result.arrays.to_torch_state_dict(), info
+
+    def _evaluate(
+        self, name: str, state: dict[str, torch.Tensor], reference: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        model = self._model(state)
+        return evaluate_model(name, model, self.run_model, self.settings, reference)
+
+    def _model(self, state: dict[str, torch.Tensor]) -> PreTrainedModel:
+        model = self.run_model.model
+        model.load_state_dict(state)  # the run's model object is reused as the evaluation shell
+        return model
+
+    def _privacy(self) -> dict[str, Any]:
+        s = self.settings
+        if s.dp2u_method == "dp2u-sgd":
+            stage = self.stages["A: DP base (DP-SGD)"]
+            last = stage["round_reports"][-1]["clients"]
+            return {
+                "mechanism": "DP-SGD (Opacus, RDP accountant, Poisson sampling)",
+                "epsilon_target": s.dp2u_epsilon,
+                "delta": s.dp2u_delta,
+                "clip": s.dp2u_clip,
+                "epsilon_spent_per_client": [c.get("epsilon_spent") for c in last],
+                "noise_multiplier": [c.get("noise_multiplier") for c in last],
+                "unit": "one QA record (an author with k records: group privacy, kε)",
+            }
+        if s.dp2u_method == "dp2u-mlm":
+            stage = self.stages["A: DP base (DP-MLM)"]
+            last = stage["round_reports"][-1]["clients"]
+            return {
+                "mechanism": "DP-MLM rewriting (exponential mechanism, clipped MLM logits)",
+                "epsilon_per_token": s.dp2u_epsilon,
+                "sensitive_only": s.dp2u_mlm_sensitive_only,
+                "epsilon_per_record_max": [c.get("mlm_epsilon_max") for c in last],
+                "tokens_replaced": [c.get("mlm_tokens_replaced") for c in last],
+            }
+        return {"mechanism": "none"}
+
+    def _data_check(self) -> list[dict[str, Any]]:
+        """Per client of the unlearning stage: did the forget records stay out of training?
+        The server recomputes the digest of the retained records and compares it with what
+        the client reported about the examples that reached its training loop."""
+        from fedunlearn.dp2u import examples_digest
+        from fedunlearn.qa_format import encode_record
+
+        name = next(
+            (n for n in (STAGE_C, RFS_R) if n in self.stages),
+            None,
+        )
+        if name is None or not self.stages[name].get("round_reports"):
+            return []
+        records = self.run_model.scenario.records()
+        tok = self.run_model.tokenizer
+        checks = []
+        for report in self.stages[name]["round_reports"][-1]["clients"]:
+            position = report.get("position")
+            if position is None or "examples_digest" not in report:
+                continue
+            shard: DataShard = self.shards[position]
+            retained = [encode_record(tok, records[i]) for i in shard.retained]
+            checks.append(
+                {
+                    "client": position,
+                    "forget_records_on_client": len(shard.forget),
+                    "trained_on_retained_only": report["examples_digest"]
+                    == examples_digest(retained),
+                }
+            )
+        return checks
+
+
+def _arrays(state: dict[str, torch.Tensor]) -> ArrayRecord:
+    return ArrayRecord({k: v.detach().to("cpu", torch.float32) for k, v in state.items()})
+
+
+def _stage_summary(info: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in info.items() if k != "round_reports"} | {
+        "clients_last_round": (info.get("round_reports") or [{}])[-1].get("clients", [])
+    }

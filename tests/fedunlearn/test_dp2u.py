@@ -1,0 +1,50 @@
+"""DP2Unlearning core: data shards, FedAvg, the digest of what reached a training loop."""
+
+import pytest
+import torch
+
+from fedunlearn.benchmarks.tofu import generate_tofu
+from fedunlearn.dp2u import data_shards, examples_digest, fedavg
+
+
+@pytest.fixture(scope="module")
+def data():
+    return generate_tofu(seed=0, num_authors=20, qa_per_author=4)
+
+
+def test_shards_hold_whole_authors_and_mark_the_forget_request(data):
+    shards = data_shards(data, num_clients=3, forget_percent=10.0)
+    assert sorted(i for s in shards for i in s.indices) == list(range(len(data.author_qa)))
+    owners = {}
+    for k, shard in enumerate(shards):
+        for i in shard.indices:
+            owners.setdefault(data.author_qa[i]["author"], set()).add(k)
+    assert all(len(v) == 1 for v in owners.values())  # every author on exactly one client
+    forget_authors = set(data.forget_authors(10.0))
+    forget = [i for s in shards for i in s.forget]
+    assert {data.author_qa[i]["author"] for i in forget} == forget_authors
+    assert len(forget) == 2 * 4 and shards[-1].forget and not shards[0].forget
+    for shard in shards:
+        assert set(shard.retained) == set(shard.indices) - set(shard.forget)
+    with pytest.raises(ValueError, match="dp2u-clients"):
+        data_shards(data, num_clients=0, forget_percent=10.0)
+
+
+def test_fedavg_is_the_example_weighted_mean(data):
+    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
+    b = {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([4.0])}
+    out = fedavg([a, b], [1.0, 3.0])
+    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))
+    assert torch.allclose(out["b"], torch.tensor([3.0]))
+    assert out["w"].dtype == torch.float32
+    with pytest.raises(ValueError, match="shape"):
+        fedavg([a, {"w": torch.zeros(3), "b": torch.zeros(1)}], [1.0, 1.0])
+    with pytest.raises(ValueError, match="names differ"):
+        fedavg([a, {"w": torch.zeros(2)}], [1.0, 1.0])
+
+
+def test_digest_is_order_free_and_content_sensitive():
+    ex = [([1, 2, 3], [-100, 2, 3]), ([4, 5], [-100, 5])]
+    assert examples_digest(ex) == examples_digest(list(reversed(ex)))
+    assert examples_digest(ex) != examples_digest(ex[:1])
+    assert examples_digest(ex) != examples_digest([([1, 2, 3], [-100, 2, 3]), ([4, 6], [-100, 6])])
