@@ -43,6 +43,7 @@ from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
 from strategies.fedtrain_strategy import FedTrainStrategy
 from strategies.merge_strategy import MergeStrategy
+from strategies.results import json_safe
 from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
 from strategies.settings import RunSettings
 
@@ -217,28 +218,28 @@ class Dp2uPipeline:
         s = self.settings
         train = {"lr": s.dp2u_lr, "batch-size": s.dp2u_batch_size}
         public = ("public:" + self.substrate_key, self.public_base())
-        _, rfs = self.stage(RFS_R, "retrain", public, s.dp2u_retrain_rounds, train)
-        metrics: dict[str, Any] = {"reference": self._evaluate("RFS-R", rfs, None)}
-        reference = metrics["reference"]
+        rfs = self.stage(RFS_R, "retrain", public, s.dp2u_retrain_rounds, train)
+        reference = self._evaluate("RFS-R", rfs, None)
+        metrics: dict[str, Any] = {"reference": reference}
         if s.dp2u_method == "rfs-r":
             deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
-            metrics["before"] = self._evaluate("deployed", deployed[1], reference)
-            metrics["after"] = self._evaluate("RFS-R", rfs, reference)
+            metrics["before"] = self._evaluate("deployed", deployed, (rfs[0], reference))
+            metrics["after"] = self._evaluate("RFS-R", rfs, (rfs[0], reference))
             unlearn_name = RFS_R
         elif s.dp2u_method in DP_METHODS:
             base = self.dp_base(public)
             deployed = self.stage(STAGE_B, "deploy", base, s.dp2u_finetune_rounds, train)
-            _, unlearned = self.stage(STAGE_C, "unlearn", base, s.dp2u_finetune_rounds, train)
-            metrics["base"] = self._evaluate("BM_DP", base[1], reference)
-            metrics["before"] = self._evaluate("FM", deployed[1], reference)
-            metrics["after"] = self._evaluate("UM", unlearned, reference)
+            unlearned = self.stage(STAGE_C, "unlearn", base, s.dp2u_finetune_rounds, train)
+            metrics["base"] = self._evaluate("BM_DP", base, (rfs[0], reference))
+            metrics["before"] = self._evaluate("FM", deployed, (rfs[0], reference))
+            metrics["after"] = self._evaluate("UM", unlearned, (rfs[0], reference))
             unlearn_name = STAGE_C
         else:
             deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
-            metrics["before"] = self._evaluate("deployed", deployed[1], reference)
-            unlearned, info = self._approximate_unlearning(deployed[1])
+            metrics["before"] = self._evaluate("deployed", deployed, (rfs[0], reference))
+            state, info = self._approximate_unlearning(deployed[1])
             self.stages["unlearning round"] = info
-            metrics["after"] = self._evaluate("unlearned", unlearned, reference)
+            metrics["after"] = self._evaluate("unlearned", ("", state), (rfs[0], reference))
             unlearn_name = "unlearning round"
         rfs_info = self.stages[RFS_R]
         cost = self.stages[unlearn_name]
@@ -307,10 +308,35 @@ class Dp2uPipeline:
         return result.arrays.to_torch_state_dict(), info
 
     def _evaluate(
-        self, name: str, state: dict[str, torch.Tensor], reference: dict[str, Any] | None
+        self,
+        name: str,
+        model: tuple[str, dict[str, torch.Tensor]],
+        reference: tuple[str, dict[str, Any]] | None,
     ) -> dict[str, Any]:
-        model = self._model(state)
-        return evaluate_model(name, model, self.run_model, self.settings, reference)
+        """The scenario's metrics of ``model`` = (stage key, weights); cached next to the
+        stage's weights per evaluation setting and reference (stage key "" = not cached)."""
+        s = self.settings
+        eval_key = StageCache.key(
+            forget_percent=s.forget_percent,
+            retain=s.eval_retain_samples,
+            tokens=s.eval_max_new_tokens,
+            reference=reference[0] if reference else None,
+        )
+        path = self.cache.folder / model[0] / f"eval-{eval_key}.json" if model[0] else None
+        if path is not None and path.is_file():
+            return json.loads(path.read_text())
+        metrics = evaluate_model(
+            name,
+            self._model(model[1]),
+            self.run_model,
+            s,
+            reference[1] if reference else None,
+        )
+        if path is not None:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(json_safe(metrics)))
+            tmp.replace(path)
+        return metrics
 
     def _model(self, state: dict[str, torch.Tensor]) -> PreTrainedModel:
         model = self.run_model.model
@@ -328,6 +354,10 @@ class Dp2uPipeline:
                 "delta": s.dp2u_delta,
                 "clip": s.dp2u_clip,
                 "epsilon_spent_per_client": [c.get("epsilon_spent") for c in last],
+                "epsilon_per_round": [
+                    [c.get("epsilon_spent") for c in r["clients"]] for r in stage["round_reports"]
+                ],
+                "steps_per_round": [c.get("steps") for c in last],
                 "noise_multiplier": [c.get("noise_multiplier") for c in last],
                 "unit": "one QA record (an author with k records: group privacy, kε)",
             }
