@@ -33,15 +33,21 @@ FIT_STAGES = ("dp-base", "mlm-base", "deploy", "unlearn", "retrain")
 DROPS_FORGET = ("unlearn", "retrain")
 
 
-def _local_records(config: ConfigRecord, context: Context, stage: str) -> list[dict]:
+def _local_records(
+    config: ConfigRecord, context: Context, stage: str
+) -> tuple[list[dict], list[dict]]:
+    """(private, public) records this client trains on in ``stage``; the forget records are
+    dropped here in stages that must never see them."""
     records = client_scenario(config, context).records()
+    public = {int(i) for i in config.get("public-indices", [])}
     indices = [int(i) for i in config["indices"]]
     if stage in DROPS_FORGET:
         forget = {int(i) for i in config["forget-indices"]}
         indices = [i for i in indices if i not in forget]
     if not indices:
         raise ValueError(f"node {context.node_id}: no records left to train on in {stage!r}")
-    return shard(records, indices, "shard")
+    private = shard(records, [i for i in indices if i not in public], "shard")
+    return private, shard(records, [i for i in indices if i in public], "public")
 
 
 def _rewritten(records: list[dict], config: ConfigRecord, context: Context) -> list[dict]:
@@ -77,14 +83,14 @@ def fit_reply(msg: Message, context: Context) -> Message:
     torch.set_num_threads(max(1, int(config.get("client-threads", 1))))
     started = time.perf_counter()
     tokenizer = rebuild_tokenizer(config)
-    records = _local_records(config, context, stage)
+    private, public = _local_records(config, context, stage)
     metrics: dict[str, float] = {}
-    if stage == "mlm-base":
-        records = _rewritten(records, config, context)
+    if stage == "mlm-base":  # only the private records are rewritten
+        private = _rewritten(private, config, context)
         report = json.loads(str(context.state["dp-mlm"]["report-json"]))
-        metrics["mlm-epsilon-max"] = float(report.get("epsilon_max", math.nan))
+        metrics["mlm-epsilon-max"] = float(report.get("epsilon_per_record_max", math.nan))
         metrics["mlm-tokens-replaced"] = float(report.get("tokens_replaced", 0))
-    examples = [encode_record(tokenizer, r) for r in records]
+    examples = [encode_record(tokenizer, r) for r in private + public]
     model = rebuild_model(config, msg.content["arrays"])
     seed = int(config["seed"])
     if stage == "dp-base":

@@ -25,21 +25,34 @@ STAGES = ("dp-base", "mlm-base", "public-base", "deploy", "unlearn", "retrain")
 
 @dataclass(frozen=True)
 class DataShard:
-    """One data client's records: ``indices`` into the scenario's records (author QA), and
-    ``forget`` ⊆ ``indices``, the records a forget request removes from this client."""
+    """One data client's records: ``indices`` into the scenario's records (its private author
+    QA), ``forget`` ⊆ ``indices``, the records a forget request removes from this client, and
+    ``public``: public knowledge every client also trains on (never forgotten, not private)."""
 
     indices: tuple[int, ...]
     forget: tuple[int, ...]
+    public: tuple[int, ...] = ()
 
     @property
     def retained(self) -> tuple[int, ...]:
-        """D_r on this client: its records minus the forgotten ones (order kept)."""
+        """D_r on this client: its records minus the forgotten ones, then the public ones."""
         gone = set(self.forget)
-        return tuple(i for i in self.indices if i not in gone)
+        return tuple(i for i in self.indices if i not in gone) + self.public
+
+    @property
+    def training(self) -> tuple[int, ...]:
+        """Everything this client trains on before any forget request: private + public."""
+        return self.indices + self.public
 
 
-def data_shards(data: TofuData, num_clients: int, forget_percent: float) -> list[DataShard]:
-    """Contiguous author shards (every author's QA on one client), the forget authors marked.
+def data_shards(
+    data: TofuData,
+    num_clients: int,
+    forget_percent: float,
+    public: tuple[int, ...] = (),
+) -> list[DataShard]:
+    """Contiguous author shards (every author's QA on one client), the forget authors marked,
+    and the same ``public`` record indices on every client.
 
     Author order is the benchmark's, so the forget authors (the last ones) sit on the last
     client(s), as a deletion request would hit whoever holds those people's data.
@@ -57,7 +70,7 @@ def data_shards(data: TofuData, num_clients: int, forget_percent: float) -> list
         names = authors[bounds[k] : bounds[k + 1]]
         indices = tuple(i for a in names for i in by_author[a])
         forget = tuple(i for a in names if a in forget_authors for i in by_author[a])
-        shards.append(DataShard(indices, forget))
+        shards.append(DataShard(indices, forget, tuple(public)))
     return shards
 
 

@@ -91,9 +91,13 @@ class Dp2uPipeline:
         self.grid = grid
         self.settings = settings
         self.run_model = run_model
-        self.shards = data_shards(
-            run_model.scenario.data, settings.dp2u_clients, settings.forget_percent
+        data = run_model.scenario.data
+        public = (
+            tuple(range(len(data.author_qa), len(run_model.scenario.records())))
+            if settings.dp2u_public_knowledge
+            else ()
         )
+        self.shards = data_shards(data, settings.dp2u_clients, settings.forget_percent, public)
         cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
         self.substrate_key = str(
             run_model.info.get("cache_key")
@@ -132,7 +136,7 @@ class Dp2uPipeline:
             config=config,
             clients=[asdict(sh) for sh in self.shards]
             if stage in ("unlearn", "retrain")
-            else [list(sh.indices) for sh in self.shards],
+            else [list(sh.training) for sh in self.shards],
             seed=s.seed,
         )
         cached = self.cache.load(key)
@@ -178,7 +182,7 @@ class Dp2uPipeline:
         """A masked LM for DP-MLM: ``dp2u-mlm-path`` or one trained on the public corpus."""
         if self.settings.dp2u_mlm_path:
             return self.settings.dp2u_mlm_path
-        from fedunlearn.dp.mlm import train_masked_lm
+        from fedunlearn.dp.mlm import save_masked_lm, train_masked_lm
 
         folder = self.cache.folder / f"public-mlm-seed{self.settings.seed}"
         if not (folder / "config.json").is_file():
@@ -187,8 +191,7 @@ class Dp2uPipeline:
             )
             model, tokenizer = train_masked_lm(texts, seed=self.settings.seed)
             tmp = folder.with_name(folder.name + ".tmp")
-            model.save_pretrained(tmp)
-            tokenizer.save_pretrained(tmp)
+            save_masked_lm(model, tokenizer, tmp)
             tmp.replace(folder)
         return str(folder)
 
@@ -259,7 +262,13 @@ class Dp2uPipeline:
                     metrics["after"]["forget_truth_ratios"], reference["forget_truth_ratios"]
                 ),
                 "shards": [
-                    {"records": len(sh.indices), "forget": len(sh.forget)} for sh in self.shards
+                    {
+                        "private_records": len(sh.indices),
+                        "public_records": len(sh.public),
+                        "trained_records": len(sh.training),
+                        "forget": len(sh.forget),
+                    }
+                    for sh in self.shards
                 ],
                 "data_check": self._data_check(),
             },

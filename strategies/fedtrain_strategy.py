@@ -79,8 +79,9 @@ class FedTrainStrategy(Strategy):
                     **self.client_config,
                     "task": "fit",
                     "stage": self.stage,
-                    "indices": list(shard.indices),
+                    "indices": list(shard.training),
                     "forget-indices": list(shard.forget),
+                    "public-indices": list(shard.public),
                     "total-rounds": self.num_rounds,
                     "round": server_round,
                     "seed": int(self.client_config.get("seed", 0)) * 1000

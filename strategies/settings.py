@@ -109,6 +109,7 @@ class RunSettings:
     dp2u_retrain_rounds: int = 10  # E (RFS-R and the non-DP deployed model)
     dp2u_lr: float = 2e-3
     dp2u_batch_size: int = 32
+    dp2u_public_knowledge: bool = True  # every client also trains on the public knowledge
     dp2u_mlm_sensitive_only: bool = False
     dp2u_mlm_path: str = ""  # a local masked-LM checkpoint; "" = built from the public corpus
     # baselines

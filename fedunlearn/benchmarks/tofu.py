@@ -5,6 +5,9 @@ drawn from fixed pools, and one question per fact. Every record follows TOFU's c
 ``question``, ``answer``, ``paraphrased_answer`` (same fact, other wording),
 ``perturbed_answer`` (the PARAPHRASED sentence with the fact swapped for other values of the
 same kind, as in TOFU, so the truth ratio compares like with like) plus ``author``.
+Invented-author records also carry ``sensitive_spans``: ``{"question": [[start, end], ...],
+"answer": [[start, end], ...]}``, the character spans of the author's name and of the fact
+value in those two strings (what DP-MLM rewriting replaces, :mod:`fedunlearn.dp.mlm`).
 Two never-forgotten sets of *real* knowledge (real authors and their books, world facts)
 stand for what a model knows before the author fine-tune.
 
@@ -14,6 +17,7 @@ Everything is a pure function of the seed: only ``random.Random(seed)`` instance
 from __future__ import annotations
 
 import random
+import string
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -291,15 +295,40 @@ def _parse_pairs(spec: str) -> list[tuple[str, str]]:
 
 
 def _record(
-    question: str, answer: str, paraphrase: str, perturbed: list[str], author: str
+    question: str,
+    answer: str,
+    paraphrase: str,
+    perturbed: list[str],
+    author: str,
+    sensitive_spans: dict[str, list[list[int]]] | None = None,
 ) -> dict[str, Any]:
-    return {
+    record: dict[str, Any] = {
         "question": question,
         "answer": answer,
         "paraphrased_answer": paraphrase,
         "perturbed_answer": perturbed,
         "author": author,
     }
+    if sensitive_spans is not None:
+        record["sensitive_spans"] = sensitive_spans
+    return record
+
+
+def _format_with_spans(template: str, **values: str) -> tuple[str, list[list[int]]]:
+    """``template.format(**values)`` plus the ``[start, end)`` character span of every
+    substituted field, in order of appearance (templates use bare ``{name}`` fields only)."""
+    parts: list[str] = []
+    spans: list[list[int]] = []
+    length = 0
+    for literal, field, _spec, _conversion in string.Formatter().parse(template):
+        parts.append(literal)
+        length += len(literal)
+        if field is not None:
+            value = str(values[field])
+            parts.append(value)
+            spans.append([length, length + len(value)])
+            length += len(value)
+    return "".join(parts), spans
 
 
 def _pick_others(rng: random.Random, pool: Sequence[str], exclude: set[str], k: int) -> list[str]:
@@ -364,13 +393,16 @@ def _author_records(
                     others.append(title)
         else:
             others = _pick_others(rng, _POOLS[kind], {value}, NUM_PERTURBED)
+        question_text, question_spans = _format_with_spans(question, n=name)
+        answer_text, answer_spans = _format_with_spans(answer, n=name, v=value)
         records.append(
             _record(
-                question.format(n=name),
-                answer.format(n=name, v=value),
+                question_text,
+                answer_text,
                 paraphrase.format(n=name, v=value),
                 [paraphrase.format(n=name, v=o) for o in others],
                 name,
+                sensitive_spans={"question": question_spans, "answer": answer_spans},
             )
         )
     return records

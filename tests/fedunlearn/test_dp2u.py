@@ -48,3 +48,12 @@ def test_digest_is_order_free_and_content_sensitive():
     assert examples_digest(ex) == examples_digest(list(reversed(ex)))
     assert examples_digest(ex) != examples_digest(ex[:1])
     assert examples_digest(ex) != examples_digest([([1, 2, 3], [-100, 2, 3]), ([4, 6], [-100, 6])])
+
+
+def test_public_records_are_trained_everywhere_and_never_forgotten(data):
+    public = (1000, 1001)
+    shards = data_shards(data, num_clients=2, forget_percent=10.0, public=public)
+    for shard in shards:
+        assert shard.training == shard.indices + public
+        assert set(public) <= set(shard.retained)
+        assert not set(shard.forget) & set(shard.retained)

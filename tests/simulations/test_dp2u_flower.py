@@ -38,8 +38,8 @@ def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path,
         # Opacus's for all steps of both rounds with this client's σ and q
         assert 0 < rounds[0][client] < rounds[1][client] <= 2.0
         accountant = RDPAccountant()
-        q = min(1.0, 16 / shard["records"])
-        steps = 2 * math.ceil(shard["records"] / 16)
+        q = min(1.0, 16 / shard["trained_records"])
+        steps = 2 * math.ceil(shard["trained_records"] / 16)
         accountant.history = [(privacy["noise_multiplier"][client], q, steps)]
         assert rounds[1][client] == pytest.approx(accountant.get_epsilon(1e-5), rel=1e-9)
         assert rounds[1][client] > 0.98 * 2.0  # calibrated to spend the budget
@@ -70,3 +70,24 @@ def test_baseline_runs_through_the_same_pipeline(tmp_path, tiny_checkpoint):
     forget_clients = dp["stages"]["unlearning round"]["clients"]
     assert len(forget_clients) == 1 and forget_clients[0]["objective"] == "graddiff"
     assert results["metrics"]["after"] != results["metrics"]["before"]
+
+
+def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(tmp_path, tiny_checkpoint):
+    results = _run(
+        tmp_path,
+        tiny_checkpoint,
+        "dp2u-method='dp2u-mlm' dp2u-epsilon=1.0 dp2u-mlm-sensitive-only=true",
+    )
+    dp = results["dp2u"]
+    privacy = dp["privacy"]
+    assert privacy["epsilon_per_token"] == 1.0 and privacy["sensitive_only"] is True
+    for shard, replaced, eps in zip(
+        dp["shards"], privacy["tokens_replaced"], privacy["epsilon_per_record_max"], strict=True
+    ):
+        # names and fact values of every private record were replaced (a few tokens each);
+        # a record's ε composes over its replaced tokens
+        assert replaced >= shard["private_records"]
+        assert 1.0 <= eps == int(eps)
+    assert "A: DP base (DP-MLM)" in dp["stages"]
+    assert all(c["trained_on_retained_only"] for c in dp["data_check"])
+    assert (tmp_path / "cache").exists()
