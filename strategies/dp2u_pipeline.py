@@ -108,7 +108,6 @@ class Dp2uPipeline:
         self.client_config = {
             **describe_model(run_model.model, run_model.tokenizer),
             **client_settings(settings),
-            "local-epochs": 1,
         }
 
     # ---- stages ------------------------------------------------------------------------------
@@ -212,6 +211,7 @@ class Dp2uPipeline:
             "mlm-sensitive-only": s.dp2u_mlm_sensitive_only,
             "lr": s.dp2u_lr,
             "batch-size": s.dp2u_batch_size,
+            "local-epochs": s.dp2u_local_epochs,
         }
         return self.stage("A: DP base (DP-MLM)", "mlm-base", public, s.dp2u_dp_rounds, config)
 
@@ -219,7 +219,11 @@ class Dp2uPipeline:
 
     def run(self) -> dict[str, Any]:
         s = self.settings
-        train = {"lr": s.dp2u_lr, "batch-size": s.dp2u_batch_size}
+        train = {
+            "lr": s.dp2u_lr,
+            "batch-size": s.dp2u_batch_size,
+            "local-epochs": s.dp2u_local_epochs,
+        }
         public = ("public:" + self.substrate_key, self.public_base())
         rfs = self.stage(RFS_R, "retrain", public, s.dp2u_retrain_rounds, train)
         reference = self._evaluate("RFS-R", rfs, None)

@@ -107,6 +107,7 @@ class RunSettings:
     dp2u_dp_batch_size: int = 64
     dp2u_finetune_rounds: int = 5  # E′ (stages B and C)
     dp2u_retrain_rounds: int = 10  # E (RFS-R and the non-DP deployed model)
+    dp2u_local_epochs: int = 1  # local epochs per round of the non-DP stages
     dp2u_lr: float = 2e-3
     dp2u_batch_size: int = 32
     dp2u_public_knowledge: bool = True  # every client also trains on the public knowledge
@@ -360,6 +361,7 @@ class RunSettings:
             "dp2u_dp_rounds",
             "dp2u_finetune_rounds",
             "dp2u_retrain_rounds",
+            "dp2u_local_epochs",
             "dp2u_batch_size",
             "dp2u_dp_batch_size",
         ):
