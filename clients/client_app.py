@@ -12,7 +12,7 @@ import json
 import time
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
 from clients.fit_task import fit_reply
@@ -45,6 +45,22 @@ def lora_settings(config: ConfigRecord) -> LoraSettings:
         target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
         layers_to_transform=parse_layers(str(config["lora-layers"])),
     )
+
+
+@app.query()
+def query(msg: Message, context: Context) -> Message:
+    """Tell the server the role and partition this node declared in ``--node-config``.
+
+    Replies ``{"node-info": {"role": ..., "partition-id": ...}}`` with only the keys the
+    node config sets (simulation: ``partition-id`` alone); the server maps the scenario's
+    clients onto the nodes with it (``strategies.node_roles``). The data path stays local.
+    """
+    info = {
+        key: context.node_config[key]
+        for key in ("role", "partition-id")
+        if key in context.node_config
+    }
+    return Message(content=RecordDict({"node-info": ConfigRecord(info)}), reply_to=msg)
 
 
 @app.train()

@@ -18,8 +18,24 @@ from flwr.serverapp.strategy import Strategy
 
 from clients.messages import decode_client_reply
 from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
+from fedunlearn.merging.robust import apply_robust
 from fedunlearn.scenarios import ClientAssignment
 from strategies.merge_plugins import merge_kwargs, resolve_merge
+from strategies.node_roles import assign_nodes
+from strategies.reply_validation import (
+    NO_REPLY_REASON,
+    ReplyRejected,
+    ReplySpec,
+    RoundFailedError,
+    auto_upload_limit,
+    check_min_replies,
+    check_payload_size,
+    check_same_key_sets,
+    expected_shapes,
+    merge_needs_fisher,
+    reply_array_bytes,
+    validate_reply_content,
+)
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -49,8 +65,10 @@ class MergeStrategy(Strategy):
         Candidate keyword arguments (``gamma``, ``alpha``, ``eps0``, ``epsilon``, ...); the
         merge receives those its signature accepts.
     assignments : Sequence[ClientAssignment]
-        Role, domain and data shard per client; node i (in sorted node-id order) gets
-        assignment i.
+        Role, domain and data shard per client. Nodes that declare ``role`` (and
+        ``partition-id``) in their node config get the assignments of that role in partition
+        order (learned with a QUERY round); without declarations node i (in sorted node-id
+        order) gets assignment i (see strategies.node_roles).
     client_config : Mapping[str, Any] (default: {})
         Settings sent to every client (model description, training settings).
     role_config : Mapping[str, Mapping[str, Any]] (default: {})
@@ -59,7 +77,17 @@ class MergeStrategy(Strategy):
         Seconds to wait for enough nodes to connect.
     server_lr : float (default: 1.0)
         η_srv in θ ← θ + η_srv·Δ.
+    min_replies : int (default: 0)
+        Valid updates a round needs (``min-replies``); 0 = one valid forget update per
+        assigned forget domain (see ``reply_validation.check_min_replies``).
+    max_upload_mb : float (default: 0.0)
+        Upload limit per reply in MiB (``max-upload-mb``); 0 = the largest honest reply
+        (``reply_validation.auto_upload_limit``).
+    robust_norm_bound, fisher_cap : float (default: 0.0)
+        ``fedunlearn.merging.robust`` options applied before the merge (0 = off).
     """
+
+    copies: int = 1  # copies of the model each node receives per round (MPU: m)
 
     def __init__(
         self,
@@ -71,6 +99,10 @@ class MergeStrategy(Strategy):
         role_config: Mapping[str, Mapping[str, Any]] | None = None,
         node_wait_timeout: float = 120.0,
         server_lr: float = 1.0,
+        min_replies: int = 0,
+        max_upload_mb: float = 0.0,
+        robust_norm_bound: float = 0.0,
+        fisher_cap: float = 0.0,
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -82,6 +114,13 @@ class MergeStrategy(Strategy):
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
         self.node_wait_timeout = node_wait_timeout
         self.server_lr = server_lr
+        if min_replies < 0 or max_upload_mb < 0:
+            raise ValueError("min-replies and max-upload-mb must be >= 0")
+        self.min_replies = int(min_replies)
+        self.max_upload_mb = float(max_upload_mb)
+        self.robust_norm_bound = float(robust_norm_bound)
+        self.fisher_cap = float(fisher_cap)
+        self.needs_fisher = merge_needs_fisher(self.merge_fn)
         self.node_assignment: dict[int, ClientAssignment] = {}
         self.global_arrays: ArrayRecord | None = None
         self.last_merge: MergeResult | None = None
@@ -104,7 +143,10 @@ class MergeStrategy(Strategy):
     ) -> Iterable[Message]:
         node_ids = wait_for_nodes(grid, len(self.assignments), self.node_wait_timeout)
         self.global_arrays = arrays
-        self.node_assignment = dict(zip(node_ids, self.assignments, strict=False))
+
+        self.node_assignment = assign_nodes(
+            grid, node_ids, self.assignments, self.node_wait_timeout, self.node_assignment
+        )
         messages = []
         for position, (node_id, assignment) in enumerate(self.node_assignment.items()):
             node_config = ConfigRecord(
@@ -139,39 +181,74 @@ class MergeStrategy(Strategy):
         """What node ``position`` receives: here the exact global weights (MPU overrides)."""
         return RecordDict({"arrays": arrays, "config": node_config})
 
+    def reply_spec(self, node_id: int) -> ReplySpec:
+        """What node ``node_id``'s reply must look like (assigned role and domain, the global
+        model's weights, Fisher when the merge needs it)."""
+        assignment = self.node_assignment.get(node_id)
+        return ReplySpec(
+            role=assignment.role if assignment is not None else None,
+            domain=assignment.domain if assignment is not None else None,
+            shapes=expected_shapes(self.global_arrays) if self.global_arrays is not None else None,
+            needs_fisher=self.needs_fisher,
+            merge=self.merge,
+        )
+
+    def upload_limit_bytes(self) -> int:
+        """``max-upload-mb`` in bytes, or (0) the largest honest reply for this model."""
+        if self.max_upload_mb > 0:
+            return int(self.max_upload_mb * 2**20)
+        if self.global_arrays is None:
+            return 0
+        return auto_upload_limit(expected_shapes(self.global_arrays), self.copies)
+
     def decode_reply(
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
-        """A reply as a ``ClientUpdate`` in the server's coordinates (MPU overrides)."""
+        """A validated reply (``reply_validation.validate_reply_content``) as a
+        ``ClientUpdate`` in the server's coordinates (MPU overrides)."""
+        validate_reply_content(node_id, content, self.reply_spec(node_id))
         return decode_client_reply(node_id, content)
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """Validate every reply, exclude bad, crashed and missing clients (reason in
+        ``client_reports[*]["excluded"]``), then merge the rest — or raise
+        ``RoundFailedError`` (the global model is kept) when too few valid updates remain."""
+        if self.global_arrays is None:
+            raise RuntimeError("aggregate_train called before configure_train")
         updates: list[ClientUpdate] = []
         self.client_reports = []
+        reports: dict[int, dict[str, Any]] = {}
+        limit = self.upload_limit_bytes()
+
+        def exclude(report: dict[str, Any], reason: str) -> None:
+            report["excluded"] = reason
+            log(WARNING, "excluding client %s: %s", report["node_id"], reason)
+
         for reply in replies:
             node_id = reply.metadata.src_node_id
             assignment = self.node_assignment.get(node_id)
             report: dict[str, Any] = {"node_id": node_id}
             if assignment is not None:
                 report.update(role=assignment.role, domain=assignment.domain)
-            if reply.has_error():
-                report["excluded"] = f"client error: {reply.error.reason}"
-                log(WARNING, "client %s failed: %s", node_id, reply.error.reason)
-                self.client_reports.append(report)
-                continue
+            self.client_reports.append(report)
             try:
-                update, metrics = self.decode_reply(server_round, node_id, reply.content)
-                if assignment is not None and update.role != assignment.role:
-                    raise ValueError(
-                        f"client {node_id}: replied as role {update.role!r} but was assigned "
-                        f"{assignment.role!r}"
+                if assignment is None:
+                    raise ReplyRejected(node_id, "is not a node this round was sent to")
+                if node_id in reports:
+                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
+                reports[node_id] = report
+                if reply.has_error():
+                    raise ReplyRejected(
+                        node_id,
+                        f"crashed: error reply (code {reply.error.code}) instead of an update: "
+                        f"{reply.error.reason}",
                     )
+                check_payload_size(node_id, reply_array_bytes(reply.content), limit)
+                update, metrics = self.decode_reply(server_round, node_id, reply.content)
             except (ValueError, KeyError, TypeError) as err:
-                report["excluded"] = str(err)
-                log(WARNING, "excluding client %s: %s", node_id, err)
-                self.client_reports.append(report)
+                exclude(report, str(err))
                 continue
             updates.append(update)
             report.update(
@@ -193,20 +270,38 @@ class MergeStrategy(Strategy):
                     mpu_copies=int(metrics["mpu-copies"]),
                     bytes_received=int(metrics["bytes-received"]),
                 )
-            self.client_reports.append(report)
-        if not any(u.role == "forget" for u in updates):
-            reasons = [r.get("excluded", "") for r in self.client_reports]
-            raise RuntimeError(
-                f"round {server_round}: no valid forget update to merge; the global model is "
-                f"kept. Client problems: {reasons}"
-            )
-        if self.global_arrays is None:
-            raise RuntimeError("aggregate_train called before configure_train")
+        # Flower's start loop hands over only the replies that arrived before round-timeout
+        for node_id, assignment in self.node_assignment.items():
+            if node_id not in reports:
+                report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
+                self.client_reports.append(report)
+                exclude(report, str(ReplyRejected(node_id, NO_REPLY_REASON)))
         # merge in the scenario's client order, not in the order replies arrived:
         # the same run config then gives the same floating-point sums
         order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
         updates.sort(key=lambda u: order.get(int(u.node_id), len(order)))
-        self.last_updates = updates
+        odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
+        for node_id, reason in odd.items():
+            exclude(reports[node_id], reason)
+        updates = [u for u in updates if u.node_id not in odd]
+        problem = check_min_replies(
+            [(u.role, str(u.domain)) for u in updates],
+            self.min_replies,
+            {a.domain for a in self.node_assignment.values() if a.role == "forget"},
+        )
+        if problem is not None:
+            reasons = [r["excluded"] for r in self.client_reports if "excluded" in r]
+            raise RoundFailedError(
+                f"round {server_round}: {problem}; the global model is kept. "
+                f"Excluded clients: {reasons}"
+            )
+        self.last_updates = updates  # as uploaded (before the robust options)
+        if self.robust_norm_bound > 0 or self.fisher_cap > 0:
+            updates, robust = apply_robust(
+                updates, norm_bound=self.robust_norm_bound, fisher_cap=self.fisher_cap
+            )
+            for u in updates:
+                reports[int(u.node_id)].update(robust.get(str(u.node_id), {}))
         started = time.perf_counter()
         result = self.merge_fn(updates, **self.merge_kwargs)
         if not isinstance(result, MergeResult):

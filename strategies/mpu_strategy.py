@@ -38,6 +38,7 @@ from fedunlearn.mpu import (
     zero_sum_noise,
 )
 from strategies.merge_strategy import MergeStrategy
+from strategies.reply_validation import ReplyRejected, validate_reply_content
 
 MPU_MODES = ("mpu", "clean", "noised")
 
@@ -213,7 +214,17 @@ class MpuStrategy(MergeStrategy):
         fisher_sum: dict[str, torch.Tensor] | None = None
         first_update, metrics = None, {}
         for k, alpha in enumerate(self.alphas):
-            update, metrics = decode_client_reply(node_id, _copy_reply(content, k, node_id))
+            copy_content = _copy_reply(content, k, node_id)
+            # every copy is checked in its own coordinates before T⁻¹ touches it
+            validate_reply_content(f"{node_id} copy {k}", copy_content, self.reply_spec(node_id))
+            update, metrics = decode_client_reply(node_id, copy_content)
+            if first_update is not None and (update.fisher is None) != (fisher_sum is None):
+                raise ReplyRejected(f"{node_id} copy {k}", "sent a Fisher on some copies only")
+            if (
+                first_update is not None
+                and update.task_vector.keys() != first_update.task_vector.keys()
+            ):
+                raise ReplyRejected(f"{node_id} copy {k}", "sent another key set than copy 0")
             first_update = first_update or update
             delta, fisher = update.task_vector, update.fisher
             if self.mode == "mpu":
@@ -251,6 +262,9 @@ def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:
     key = f"task_vector-{k}"
     if key not in content:
         raise ValueError(f"client {node_id}: reply has no {key!r} record (copy {k} missing)")
+    for name in ("metrics", "info"):
+        if name not in content:
+            raise ValueError(f"client {node_id}: reply has no {name!r} record")
     out = RecordDict({"task_vector": content[key], "metrics": content["metrics"]})
     out["info"] = content["info"]
     if f"fisher-{k}" in content:

@@ -86,6 +86,10 @@ def main(grid: Grid, context: Context) -> None:
             "retain": {"steps": settings.retain_steps, "lr": settings.retain_lr},
         },
         "node_wait_timeout": settings.node_wait_timeout,
+        "min_replies": settings.min_replies,
+        "max_upload_mb": settings.max_upload_mb,
+        "robust_norm_bound": settings.robust_norm_bound,
+        "fisher_cap": settings.fisher_cap,
     }
     if settings.strategy == "mpu":
         strategy: MergeStrategy = MpuStrategy(

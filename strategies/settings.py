@@ -125,6 +125,11 @@ class RunSettings:
     save_uploads: bool = False
     round_timeout: float = 3600.0
     node_wait_timeout: float = 120.0
+    # bad clients (issue 7): reply validation, dropouts, robust options before the merge
+    min_replies: int = 0  # 0 = one valid forget update per assigned forget domain
+    max_upload_mb: float = 0.0  # 0 = the largest honest reply (float64 task vector + Fisher)
+    robust_norm_bound: float = 0.0  # clip task vectors to this × role median norm; 0 = off
+    fisher_cap: float = 0.0  # cap Fisher mass per tensor at this × role median; 0 = off
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
@@ -254,6 +259,23 @@ class RunSettings:
             )
         if not 0 < self.alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
+        self._validate_bad_client_keys()
+
+    def _validate_bad_client_keys(self) -> None:
+        """``min-replies``, ``max-upload-mb``, ``robust-norm-bound``, ``fisher-cap``."""
+        if not 0 <= self.min_replies <= self.num_clients:
+            raise ValueError(
+                f"min-replies must be in [0, {self.num_clients}] (the run's clients), "
+                f"got {self.min_replies}"
+            )
+        if not 0 <= self.max_upload_mb < math.inf:
+            raise ValueError(f"max-upload-mb must be >= 0 and finite, got {self.max_upload_mb}")
+        for name in ("robust_norm_bound", "fisher_cap"):
+            value = getattr(self, name)
+            if not (value == 0 or 1 <= value < math.inf):
+                raise ValueError(
+                    f"{name.replace('_', '-')} must be 0 (off) or a finite number >= 1, got {value}"
+                )
 
     def substrate_config(self) -> SubstrateConfig:
         """The built-in substrate this run uses (its hash names the cache folder)."""

@@ -1,0 +1,1 @@
+"""Deployment on real machines with Flower's deployment engine (TLS, SuperNode auth)."""

@@ -1,0 +1,602 @@
+"""Run fedunlearn on Flower's deployment engine on this machine: TLS and authenticated nodes.
+
+Makes a CA and a SuperLink certificate for 127.0.0.1 / localhost, starts a SuperLink with
+TLS and SuperNode authentication (``--enable-supernode-auth``), registers one key pair per
+SuperNode (``flwr supernode register``), starts each SuperNode with its own
+``--node-config`` (``role``, ``partition-id``, optionally its local ``data-path``), waits
+until they are online, submits the app with ``flwr run . <connection> --stream`` through a
+TLS connection written to a private ``FLWR_HOME``, and checks that the run finished
+completed and wrote ``results.json``. Every process it starts runs in its own session and is
+stopped by PID (SIGTERM, then SIGKILL) when it ends, also on failure.
+
+    python -m simulations.deploy.launch --run-config "model-path='/abs/ckpt'" \
+        --node "role='forget' partition-id=0" --node "role='forget' partition-id=1" \
+        --node "role='retain' partition-id=2 data-path='/data/retain'"
+
+Without ``--node``, the scenario's clients are started: forget nodes (partition-id 0, 1,
+...) then retain nodes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from simulations.deploy.certificates import NodeKeys, make_node_keys, make_server_certificates
+from simulations.run_local import (
+    BIN_DIR,
+    REPO_ROOT,
+    default_cache_dir,
+    flower_env,
+    free_port,
+    parse_config_pairs,
+    prepare_substrate,
+    run_settings,
+    stop_process,
+)
+
+CONNECTION = "fedunlearn-deploy"
+COMPLETED = "finished:completed"
+
+
+class DeploymentError(RuntimeError):
+    """A deployment step failed; the message says which and where its log is."""
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
+    """(state, ppid, session id, start time) of a live process, ``None`` if gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text[text.rindex(")") + 2 :].split()
+    # fields[0] = state (field 3 of stat), [1] = ppid, [3] = session, [19] = starttime
+    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
+
+
+def _all_pids() -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Whether the process ``pid`` that started at ``start_time`` still runs (zombies don't)."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[3] == start_time and stat[0] not in ("Z", "X")
+
+
+def process_family(roots: Sequence[int]) -> dict[int, int]:
+    """``{pid: start time}`` of ``roots``, their descendants and their sessions' members.
+
+    Flower's helpers (``flower-superexec``, ServerApp / ClientApp processes) may start their
+    own sessions, so the tree is followed through parent ids as well as session ids.
+    """
+    stats = {pid: s for pid in _all_pids() if (s := _proc_stat(pid)) is not None}
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    sessions = set(roots)  # a session outlives its leader: members are found even then
+    roots = [r for r in roots if r in stats]
+    found: dict[int, int] = {}
+    stack = list(roots) + [pid for pid, s in stats.items() if s[2] in sessions]
+    while stack:
+        pid = stack.pop()
+        if pid in found or pid not in stats:
+            continue
+        found[pid] = stats[pid][3]
+        stack.extend(children.get(pid, []))
+    return found
+
+
+@dataclass
+class NodeSpec:
+    """One SuperNode to start.
+
+    ``register=False`` starts it with a key pair the SuperLink never saw (it must be refused);
+    ``with_key=False`` starts it without any key (``--auth-supernode-private-key`` absent).
+    """
+
+    name: str
+    node_config: str
+    register: bool = True
+    with_key: bool = True
+
+
+@dataclass
+class StartedNode:
+    """A SuperNode process this deployment started."""
+
+    spec: NodeSpec
+    process: subprocess.Popen
+    log_file: Path
+    keys: NodeKeys | None
+    node_id: int | None  # from the registration; None when not registered
+
+    @property
+    def node_config(self) -> dict:
+        return parse_config_pairs(self.spec.node_config)
+
+
+@dataclass
+class RunOutcome:
+    """What ``flwr run`` left behind."""
+
+    run_id: int | None
+    status: str
+    results: Path
+    returncode: int
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == COMPLETED and self.results.is_file()
+
+
+def _json_from(text: str) -> dict:
+    """The JSON object in a ``flwr ... --format json`` output (ignores text around it)."""
+    start = text.find("{")
+    if start < 0:
+        raise ValueError(f"no JSON in {text!r}")
+    return json.JSONDecoder().raw_decode(text[start:])[0]
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class LocalDeployment:
+    """A SuperLink (TLS, optional SuperNode authentication) and SuperNodes on 127.0.0.1.
+
+    Use as a context manager (or call :meth:`stop`): every process it started, with the
+    processes those started, is stopped by PID on exit.
+    """
+
+    def __init__(
+        self,
+        workdir: Path,
+        *,
+        node_auth: bool = True,
+        cache_dir: Path | None = None,
+        echo: bool = True,
+    ) -> None:
+        self.workdir = Path(workdir).resolve()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.logs = self.workdir / "logs"
+        self.logs.mkdir(exist_ok=True)
+        self.node_auth = node_auth
+        self.echo = echo
+        self.certs = make_server_certificates(self.workdir / "certs")
+        self.flwr_home = self.workdir / "flwr_home"  # the flwr CLI's private config
+        self.flwr_home.mkdir(exist_ok=True)
+        self.cache_dir = (cache_dir or default_cache_dir()).resolve()
+        self.env = flower_env(self.flwr_home)
+        self.env["FEDUNLEARN_CACHE_DIR"] = str(self.cache_dir)
+        self.env["COLUMNS"] = "400"  # the CLI's JSON output must not wrap
+        self.port: int | None = None
+        self.superlink: subprocess.Popen | None = None
+        self.nodes: list[StartedNode] = []
+        self.started: list[subprocess.Popen] = []
+        self.tracked: dict[int, int] = {}  # pid -> start time of everything seen started
+
+    # lifecycle ----------------------------------------------------------------------------
+
+    def __enter__(self) -> LocalDeployment:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _popen(self, command: list[str], log_name: str, **kwargs: Any) -> subprocess.Popen:
+        log_file = self.logs / log_name
+        with open(log_file, "ab") as log:
+            process = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
+            )
+        self.started.append(process)
+        self.track()
+        return process
+
+    def track(self) -> None:
+        """Remember every process started so far and its descendants (for :meth:`stop`)."""
+        self.tracked.update(process_family([p.pid for p in self.started]))
+
+    def survivors(self) -> list[int]:
+        """PIDs of processes this deployment started (or they started) that still run."""
+        return [pid for pid, start in self.tracked.items() if process_alive(pid, start)]
+
+    def stop(self, grace: float = 15.0) -> list[int]:
+        """Stop everything, newest first: SIGTERM, then SIGKILL. Returns the survivors."""
+        self.track()
+        for process in reversed(self.started):
+            stop_process(process, grace=grace)
+        # helpers that left the process group (own sessions, reparented): by PID
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = self.survivors()
+            for pid in alive:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
+            while alive and time.monotonic() < deadline:
+                time.sleep(0.2)
+                alive = self.survivors()
+            if not alive:
+                break
+        return self.survivors()
+
+    # SuperLink ----------------------------------------------------------------------------
+
+    def start_superlink(self, timeout: float = 90.0) -> int:
+        """Start the SuperLink with TLS (and node auth); returns its port once healthy."""
+        self.port = free_port()
+        command = [
+            str(BIN_DIR / "flower-superlink"),
+            "--ssl-ca-certfile",
+            str(self.certs.ca_cert),
+            "--ssl-certfile",
+            str(self.certs.server_cert),
+            "--ssl-keyfile",
+            str(self.certs.server_key),
+            *(["--enable-supernode-auth"] if self.node_auth else []),
+            "--isolation",
+            "subprocess",
+            "--disable-runtime-dependency-installation",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--database",
+            ":flwr-in-memory:",
+        ]
+        env = dict(self.env, FLWR_HOME=str(self.workdir / "superlink_home"))
+        self.superlink = self._popen(command, "superlink.log", env=env, cwd=self.workdir)
+        (self.flwr_home / "config.toml").write_text(
+            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
+            f"[superlink.{CONNECTION}]\n"
+            f'address = "127.0.0.1:{self.port}"\n'
+            f'root-certificates = "{self.certs.ca_cert}"\n'
+        )
+        context = ssl.create_default_context(cafile=str(self.certs.ca_cert))
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.superlink.poll() is not None:
+                raise DeploymentError(
+                    f"flower-superlink exited with {self.superlink.returncode}:\n"
+                    + _tail(self.logs / "superlink.log")
+                )
+            try:
+                url = f"https://127.0.0.1:{self.port}/health"
+                with urllib.request.urlopen(url, timeout=2, context=context) as response:
+                    if response.status == 200:
+                        self.track()
+                        return self.port
+            except OSError:
+                time.sleep(0.5)
+        raise DeploymentError(
+            f"the SuperLink was not healthy within {timeout:.0f} s; "
+            f"see {self.logs / 'superlink.log'}"
+        )
+
+    def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
+        """Run a ``flwr`` CLI command against this deployment's connection."""
+        return subprocess.run(
+            [str(BIN_DIR / "flwr"), *args],
+            env=self.env,
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            start_new_session=True,
+        )
+
+    def register(self, keys: NodeKeys, name: str) -> int:
+        """``flwr supernode register``: the SuperLink accepts this public key; its node id."""
+        done = self.flwr(
+            "supernode", "register", str(keys.public_key), CONNECTION, "--name", name,
+            "--format", "json",
+        )  # fmt: skip
+        try:
+            reply = _json_from(done.stdout)
+            return int(reply["node-id"])
+        except (ValueError, KeyError) as err:
+            raise DeploymentError(
+                f"registering {name} failed (exit {done.returncode}): {done.stdout}{done.stderr}"
+            ) from err
+
+    def list_nodes(self) -> list[dict]:
+        """``flwr supernode ls --format json``: the SuperLink's nodes and their status."""
+        done = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
+        try:
+            return list(_json_from(done.stdout).get("nodes", []))
+        except ValueError as err:
+            raise DeploymentError(f"flwr supernode ls failed: {done.stdout}{done.stderr}") from err
+
+    # SuperNodes ---------------------------------------------------------------------------
+
+    def node_credentials(self, name: str, register: bool = True) -> tuple[NodeKeys, int | None]:
+        """A fresh key pair for SuperNode ``name``, registered (node id) unless told not to."""
+        if self.port is None:
+            raise DeploymentError("start the SuperLink first")
+        keys = make_node_keys(self.workdir / "keys", name)
+        node_id = self.register(keys, name) if register and self.node_auth else None
+        return keys, node_id
+
+    def start_node(
+        self,
+        spec: NodeSpec,
+        credentials: tuple[NodeKeys, int | None] | None = None,
+    ) -> StartedNode:
+        """Start a SuperNode; makes and registers its key pair unless ``credentials`` given.
+
+        ``credentials``: ``(keys, node id)`` from :meth:`node_credentials` (register first,
+        choose the node config knowing the node id).
+        """
+        if self.port is None:
+            raise DeploymentError("start the SuperLink first")
+        parse_config_pairs(spec.node_config)  # errors here, not in the node's log
+        keys, node_id = None, None
+        if credentials is not None:
+            keys, node_id = credentials
+        elif spec.with_key:
+            keys, node_id = self.node_credentials(spec.name, spec.register)
+        home = self.workdir / "nodes" / spec.name
+        home.mkdir(parents=True, exist_ok=True)
+        command = [
+            str(BIN_DIR / "flower-supernode"),
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--root-certificates",
+            str(self.certs.ca_cert),
+            *(["--auth-supernode-private-key", str(keys.private_key)] if keys else []),
+            "--node-config",
+            spec.node_config,
+            "--isolation",
+            "subprocess",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(free_port()),
+        ]
+        log_name = f"supernode-{spec.name}.log"
+        process = self._popen(command, log_name, env=dict(self.env, FLWR_HOME=str(home)), cwd=home)
+        node = StartedNode(spec, process, self.logs / log_name, keys, node_id)
+        self.nodes.append(node)
+        return node
+
+    def wait_online(self, nodes: Sequence[StartedNode], timeout: float = 120.0) -> None:
+        """Wait until the SuperLink lists every node in ``nodes`` as online."""
+        wanted = {n.node_id for n in nodes if n.node_id is not None}
+        # without node auth, nodes register themselves: count them instead
+        count = len(wanted) if self.node_auth else len(nodes)
+        deadline = time.monotonic() + timeout
+        while True:
+            for node in nodes:
+                if node.process.poll() is not None:
+                    raise DeploymentError(
+                        f"SuperNode {node.spec.name} exited with {node.process.returncode}:\n"
+                        + _tail(node.log_file)
+                    )
+            online = {int(n["node-id"]) for n in self.list_nodes() if n.get("status") == "online"}
+            self.track()
+            if wanted <= online and len(online) >= count:
+                return
+            if time.monotonic() > deadline:
+                raise DeploymentError(
+                    f"SuperNodes {sorted(wanted - online)} not online within {timeout:.0f} s; "
+                    f"see {self.logs}"
+                )
+            time.sleep(1.0)
+
+    # runs ---------------------------------------------------------------------------------
+
+    def run_status(self, run_id: int) -> str:
+        """``flwr ls --run-id``: e.g. ``running`` or ``finished:completed``."""
+        done = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
+        try:
+            runs = _json_from(done.stdout).get("runs", [])
+        except ValueError:
+            return "unknown"
+        return str(runs[0]["status"]) if runs else "unknown"
+
+    def run_ids(self) -> list[int]:
+        """Ids of all runs this SuperLink has seen."""
+        done = self.flwr("ls", CONNECTION, "--format", "json")
+        try:
+            return [int(r["run-id"]) for r in _json_from(done.stdout).get("runs", [])]
+        except ValueError:
+            return []
+
+    def run_app(self, run_config: str, output_dir: Path, timeout: float = 3600.0) -> RunOutcome:
+        """``flwr run . <connection> --stream``; waits for the run to finish."""
+        output_dir = Path(output_dir).resolve()
+        overrides = f"output-dir='{output_dir}' cache-dir='{self.cache_dir}'"
+        if run_config:
+            overrides += f" {run_config}"
+        command = [
+            str(BIN_DIR / "flwr"), "run", str(REPO_ROOT), CONNECTION, "--stream",
+            "--run-config", overrides,
+        ]  # fmt: skip
+        process = subprocess.Popen(
+            command,
+            env=self.env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            start_new_session=True,
+        )
+        self.started.append(process)
+        lines: list[str] = []
+        run_id: list[int] = []
+
+        def read() -> None:
+            assert process.stdout is not None
+            with open(self.logs / "flwr-run.log", "a") as log:
+                for line in process.stdout:
+                    lines.append(line.rstrip("\n"))
+                    log.write(line)
+                    log.flush()
+                    if self.echo:
+                        print(line, end="", flush=True)
+                    match = re.search(r"started run (\d+)", line)
+                    if match and not run_id:
+                        run_id.append(int(match.group(1)))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        deadline = time.monotonic() + timeout
+        while process.poll() is None and time.monotonic() < deadline:
+            self.track()
+            time.sleep(1.0)
+        timed_out = process.poll() is None
+        if timed_out:
+            if run_id:
+                self.flwr("stop", str(run_id[0]), CONNECTION)
+            stop_process(process)
+        reader.join(timeout=10)
+        rid = run_id[0] if run_id else next(iter(self.run_ids()), None)
+        status = "unknown"
+        if rid is not None:  # the stream ends with the run; its status may lag a moment
+            for _ in range(30):
+                status = self.run_status(rid)
+                if status.startswith("finished"):
+                    break
+                time.sleep(1.0)
+        outcome = RunOutcome(rid, status, output_dir / "results.json", process.returncode, lines)
+        if timed_out:
+            raise DeploymentError(f"run {rid} did not finish within {timeout:.0f} s ({status})")
+        return outcome
+
+
+def default_node_specs(run_config: str) -> list[NodeSpec]:
+    """One SuperNode per client of the scenario: forget nodes, then retain nodes."""
+    settings = run_settings(parse_config_pairs(run_config) if run_config else {})
+    if settings.strategy == "dp2u":  # roles do not apply: data clients by partition
+        return [NodeSpec(f"node-{i}", f"partition-id={i}") for i in range(settings.num_clients)]
+    specs = []
+    for i in range(settings.num_forget_clients):
+        specs.append(NodeSpec(f"forget-{i}", f"role='forget' partition-id={i}"))
+    for j in range(settings.num_retain_clients):
+        pid = settings.num_forget_clients + j
+        specs.append(NodeSpec(f"retain-{j}", f"role='retain' partition-id={pid}"))
+    return specs
+
+
+def deploy(
+    run_config: str = "",
+    nodes: Sequence[NodeSpec] | None = None,
+    output_dir: Path | None = None,
+    workdir: Path | None = None,
+    cache_dir: Path | None = None,
+    timeout: float = 3600.0,
+    node_auth: bool = True,
+) -> RunOutcome:
+    """Start SuperLink and SuperNodes, run the app once, stop everything; the run's outcome.
+
+    Raises ``DeploymentError`` when a step fails or the run does not finish completed with
+    a results file (``flwr run --stream`` exits 0 even when the ServerApp raised).
+    """
+    user = parse_config_pairs(run_config) if run_config else {}
+    settings = run_settings(user)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
+    workdir = (workdir or REPO_ROOT / ".flwr_home" / f"deploy-{stamp}").resolve()
+    if settings.cache_dir:
+        cache_dir = Path(settings.cache_dir)
+    cache_dir = (cache_dir or default_cache_dir()).resolve()
+    prepare_substrate(settings, cache_dir)
+    nodes = list(nodes) if nodes else default_node_specs(run_config)
+    with LocalDeployment(workdir, node_auth=node_auth, cache_dir=cache_dir) as deployment:
+        port = deployment.start_superlink()
+        print(f"SuperLink (TLS{', node auth' if node_auth else ''}) on 127.0.0.1:{port}")
+        started = [deployment.start_node(spec) for spec in nodes]
+        deployment.wait_online(started)
+        for node in started:
+            print(f"SuperNode {node.spec.name} online: node {node.node_id} {node.spec.node_config}")
+        outcome = deployment.run_app(run_config, output_dir, timeout=timeout)
+    if not outcome.ok:
+        raise DeploymentError(
+            f"run {outcome.run_id} ended {outcome.status!r}"
+            + ("" if outcome.results.is_file() else f" without {outcome.results}")
+            + f"; logs in {workdir / 'logs'}"
+        )
+    return outcome
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--run-config", default="", help='run-config overrides, e.g. "gamma=2.0"')
+    parser.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="NODE_CONFIG",
+        help="a SuperNode's --node-config, e.g. \"role='forget' partition-id=0 "
+        "data-path='/data/shard0'\" (repeat per node; default: the scenario's clients)",
+    )
+    parser.add_argument("--output-dir", type=Path, default=None, help="where results.json goes")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=None,
+        help="certificates, keys, Flower homes and logs (default .flwr_home/deploy-<time>)",
+    )
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds for the run")
+    parser.add_argument(
+        "--no-node-auth",
+        action="store_true",
+        help="accept any SuperNode (TLS stays on)",
+    )
+    args = parser.parse_args(argv)
+    nodes = [NodeSpec(f"node-{i}", text) for i, text in enumerate(args.node)] or None
+    try:
+        outcome = deploy(
+            args.run_config,
+            nodes,
+            args.output_dir,
+            args.workdir,
+            timeout=args.timeout,
+            node_auth=not args.no_node_auth,
+        )
+    except (DeploymentError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    data = json.loads(outcome.results.read_text())
+    from fedunlearn.scenarios import get_scenario
+    from strategies.results import format_summary_table
+
+    scenario = get_scenario(data["config"]["scenario"])
+    print(format_summary_table(data["metrics"], scenario.summary_metrics))
+    print(f"\nrun {outcome.run_id}: {outcome.status}\nresults: {outcome.results}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

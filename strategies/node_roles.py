@@ -1,0 +1,225 @@
+"""Which node plays which part: roles declared in the SuperNodes' node config.
+
+In a deployment every SuperNode holds its own data, so the node, not the server, knows
+whether it is a forget or a retain client::
+
+    flower-supernode ... --node-config "role='forget' partition-id=0 data-path='/data/shard0'"
+
+Before the first round the server asks every node for its ``role`` and ``partition-id``
+with one QUERY message (answered by ``clients.client_app.query``) and maps the scenario's
+assignments onto the nodes that declared the matching role, in ``partition-id`` order.
+When no node declares a role (simulation, where the node config only has ``partition-id``
+and ``num-partitions``), node i in sorted node-id order gets assignment i, as before.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from logging import INFO, WARNING
+
+from flwr.app import ConfigRecord, Message, MessageType, RecordDict
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+
+from fedunlearn.scenarios import ClientAssignment
+
+ROLE_KEY = "role"
+PARTITION_KEY = "partition-id"
+QUERY_KEY = "node-info"  # the record a node's QUERY reply carries
+
+
+@dataclass(frozen=True)
+class NodeDeclaration:
+    """What one node declared in its ``--node-config`` (``None``: not declared)."""
+
+    node_id: int
+    role: str | None = None
+    partition_id: int | None = None
+
+    def describe(self) -> str:
+        partition = "" if self.partition_id is None else f" (partition-id={self.partition_id})"
+        return f"{self.node_id}{partition}"
+
+
+class NodeRoleError(ValueError):
+    """The roles the nodes declared do not fit the clients the scenario needs."""
+
+
+def _partition_order(declaration: NodeDeclaration) -> tuple[bool, int, int]:
+    pid = declaration.partition_id
+    return (pid is None, pid if pid is not None else 0, declaration.node_id)
+
+
+def assign_by_declared_roles(
+    node_ids: Sequence[int],
+    assignments: Sequence[ClientAssignment],
+    declarations: Mapping[int, NodeDeclaration],
+) -> dict[int, ClientAssignment]:
+    """Map the scenario's ``assignments`` onto nodes (pure function).
+
+    Parameters
+    ----------
+    node_ids : the connected nodes.
+    assignments : the scenario's clients, in the scenario's order.
+    declarations : what each node declared (nodes missing here declared nothing).
+
+    Returns
+    -------
+    ``{node id: assignment}`` in the scenario's assignment order. Without any declared role:
+    node i in sorted node-id order gets assignment i (surplus nodes stay idle). With declared
+    roles: the k-th assignment of a role goes to the node with the k-th smallest
+    ``partition-id`` among the nodes declaring that role.
+
+    Raises
+    ------
+    NodeRoleError
+        when some nodes declare a role and others do not, a node declares a role the scenario
+        does not use, two nodes of a role share a ``partition-id``, or the number of nodes
+        declaring a role differs from the number of clients of that role; the message names
+        the nodes concerned.
+    """
+    ordered = sorted(int(n) for n in node_ids)
+    declared = [
+        declarations[n] for n in ordered if n in declarations and declarations[n].role is not None
+    ]
+    if not declared:
+        return dict(zip(ordered, assignments, strict=False))
+
+    problems: list[str] = []
+    undeclared = [n for n in ordered if n not in {d.node_id for d in declared}]
+    if undeclared:
+        problems.append(
+            f"nodes {undeclared} declare no role while {len(declared)} other node(s) do: set "
+            f"{ROLE_KEY}='forget' or {ROLE_KEY}='retain' in every SuperNode's --node-config "
+            "(or in none)"
+        )
+    needed = Counter(a.role for a in assignments)
+    by_role: dict[str, list[NodeDeclaration]] = defaultdict(list)
+    for declaration in declared:
+        by_role[str(declaration.role)].append(declaration)
+    for role in sorted(set(by_role) - set(needed)):
+        names = ", ".join(d.describe() for d in by_role[role])
+        problems.append(
+            f"nodes {names} declare role {role!r}, which this scenario does not use "
+            f"(it needs {_count_text(needed)})"
+        )
+    for role, count in needed.items():
+        nodes = sorted(by_role.get(role, []), key=_partition_order)
+        names = ", ".join(d.describe() for d in nodes) or "none"
+        if len(nodes) != count:
+            problems.append(
+                f"the scenario needs {count} {role} node(s) but {len(nodes)} declare "
+                f"{ROLE_KEY}={role!r}: nodes {names}"
+            )
+        pids = Counter(d.partition_id for d in nodes if d.partition_id is not None)
+        for pid, times in sorted(pids.items()):
+            if times > 1:
+                same = [d.node_id for d in nodes if d.partition_id == pid]
+                problems.append(
+                    f"nodes {same} all declare {ROLE_KEY}={role!r} {PARTITION_KEY}={pid}; "
+                    "give every node of a role its own partition-id"
+                )
+        by_role[role] = nodes
+    if problems:
+        raise NodeRoleError(
+            "the SuperNodes' declared roles do not match the scenario:\n  - "
+            + "\n  - ".join(problems)
+        )
+    queues = {role: list(nodes) for role, nodes in by_role.items()}
+    mapping: dict[int, ClientAssignment] = {}
+    for assignment in assignments:
+        mapping[queues[assignment.role].pop(0).node_id] = assignment
+    return mapping
+
+
+def _count_text(needed: Counter) -> str:
+    return ", ".join(f"{count} {role}" for role, count in sorted(needed.items()))
+
+
+def declaration_from_record(node_id: int, record: ConfigRecord) -> NodeDeclaration:
+    """A node's QUERY reply (``role`` / ``partition-id`` when set) as a declaration."""
+    role = record.get(ROLE_KEY)
+    pid = record.get(PARTITION_KEY)
+    return NodeDeclaration(
+        node_id=int(node_id),
+        role=None if role is None or str(role) == "" else str(role),
+        partition_id=None if pid is None else int(pid),
+    )
+
+
+def query_declarations(
+    grid: Grid, node_ids: Iterable[int], timeout: float
+) -> dict[int, NodeDeclaration]:
+    """Ask every node (one QUERY message each) for the role it declared.
+
+    Nodes that answer with an error or not within ``timeout`` seconds count as having
+    declared nothing (logged).
+    """
+    node_ids = [int(n) for n in node_ids]
+    messages = [
+        Message(
+            content=RecordDict({QUERY_KEY: ConfigRecord({"ask": [ROLE_KEY, PARTITION_KEY]})}),
+            message_type=MessageType.QUERY,
+            dst_node_id=node_id,
+            group_id="node-roles",
+        )
+        for node_id in node_ids
+    ]
+    declarations: dict[int, NodeDeclaration] = {}
+    for reply in grid.send_and_receive(messages, timeout=timeout):
+        node_id = int(reply.metadata.src_node_id)
+        if reply.has_error():
+            log(WARNING, "node %s did not answer the role query: %s", node_id, reply.error.reason)
+            continue
+        if QUERY_KEY not in reply.content:
+            log(WARNING, "node %s answered the role query without %r", node_id, QUERY_KEY)
+            continue
+        record = reply.content[QUERY_KEY]
+        if not isinstance(record, ConfigRecord):
+            log(WARNING, "node %s answered the role query with a %s", node_id, type(record))
+            continue
+        declarations[node_id] = declaration_from_record(node_id, record)
+    missing = sorted(set(node_ids) - set(declarations))
+    if missing and len(missing) < len(node_ids):
+        log(WARNING, "no role reply from nodes %s within %.0f s", missing, timeout)
+    return declarations
+
+
+def assign_nodes(
+    grid: Grid,
+    node_ids: Sequence[int],
+    assignments: Sequence[ClientAssignment],
+    timeout: float,
+    previous: Mapping[int, ClientAssignment] | None = None,
+) -> dict[int, ClientAssignment]:
+    """``{node id: assignment}`` for this round, from the nodes' declared roles.
+
+    ``previous`` (the last round's mapping) is kept when all its nodes are still connected,
+    so a node keeps its shard across rounds and is queried only once.
+    """
+    if (
+        previous
+        and len(previous) == len(assignments)
+        and set(previous) <= {int(n) for n in node_ids}
+        and list(previous.values()) == list(assignments)
+    ):
+        return dict(previous)
+    declarations = query_declarations(grid, node_ids, timeout)
+    mapping = assign_by_declared_roles(node_ids, assignments, declarations)
+    if any(d.role is not None for d in declarations.values()):
+        log(
+            INFO,
+            "roles from the nodes' --node-config: %s",
+            ", ".join(
+                f"{node_id}={a.role}"
+                + (
+                    f"(partition-id={declarations[node_id].partition_id})"
+                    if declarations[node_id].partition_id is not None
+                    else ""
+                )
+                for node_id, a in mapping.items()
+            ),
+        )
+    return mapping
