@@ -19,6 +19,7 @@ that determines them), so a sweep over methods and ε trains each shared stage o
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import random
@@ -105,6 +106,7 @@ class Dp2uPipeline:
         )
         self.cache = StageCache(cache_root / "dp2u" / self.substrate_key)
         self.stages: dict[str, dict[str, Any]] = {}
+        self._shell: PreTrainedModel | None = None
         self.client_config = {
             **describe_model(run_model.model, run_model.tokenizer),
             **client_settings(settings),
@@ -114,8 +116,11 @@ class Dp2uPipeline:
 
     def public_base(self) -> dict[str, torch.Tensor]:
         """θ_public: the substrate's pre-trained stage (public corpus only), or model-path."""
-        if self.settings.model_path:
-            return {k: v.float().cpu() for k, v in self.run_model.model.state_dict().items()}
+        if self.settings.model_path:  # copies: the run's model object is reused for evaluation
+            return {
+                k: v.detach().to("cpu", torch.float32, copy=True)
+                for k, v in self.run_model.model.state_dict().items()
+            }
         return pretrained_state(self.settings, self.run_model)
 
     def stage(
@@ -352,9 +357,11 @@ class Dp2uPipeline:
         return metrics
 
     def _model(self, state: dict[str, torch.Tensor]) -> PreTrainedModel:
-        model = self.run_model.model
-        model.load_state_dict(state)  # the run's model object is reused as the evaluation shell
-        return model
+        """A separate evaluation shell holding ``state`` (the run's own model stays as loaded)."""
+        if self._shell is None:
+            self._shell = copy.deepcopy(self.run_model.model)
+        self._shell.load_state_dict(state)
+        return self._shell
 
     def _privacy(self) -> dict[str, Any]:
         s = self.settings
