@@ -20,6 +20,7 @@ from clients.messages import decode_client_reply
 from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
 from fedunlearn.merging.robust import apply_robust
 from fedunlearn.scenarios import ClientAssignment
+from strategies.checkpoint import RunCheckpoint
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 from strategies.node_roles import assign_nodes
 from strategies.reply_validation import (
@@ -36,6 +37,7 @@ from strategies.reply_validation import (
     reply_array_bytes,
     validate_reply_content,
 )
+from strategies.results import json_safe
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -85,6 +87,12 @@ class MergeStrategy(Strategy):
         (``reply_validation.auto_upload_limit``).
     robust_norm_bound, fisher_cap : float (default: 0.0)
         ``fedunlearn.merging.robust`` options applied before the merge (0 = off).
+    checkpoint : RunCheckpoint | None (default: None)
+        Where the weights after every successful round are saved (with ``round_record()``),
+        so that a killed run can resume (``strategies.checkpoint``).
+    round_offset : int (default: 0)
+        Rounds finished before this start (a resumed run): Flower's round r is the run's round
+        r + round_offset, which is what seeds, MPU keys and the checkpoint see.
     """
 
     copies: int = 1  # copies of the model each node receives per round (MPU: m)
@@ -103,6 +111,8 @@ class MergeStrategy(Strategy):
         max_upload_mb: float = 0.0,
         robust_norm_bound: float = 0.0,
         fisher_cap: float = 0.0,
+        checkpoint: RunCheckpoint | None = None,
+        round_offset: int = 0,
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -127,6 +137,8 @@ class MergeStrategy(Strategy):
         self.client_reports: list[dict[str, Any]] = []
         self.last_updates: list[ClientUpdate] = []
         self.merge_seconds: float = 0.0
+        self.checkpoint = checkpoint
+        self.round_offset = int(round_offset)
 
     def summary(self) -> None:
         roles = [a.role for a in self.assignments]
@@ -141,6 +153,7 @@ class MergeStrategy(Strategy):
     def configure_train(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
+        server_round += self.round_offset  # the run's round number (resumed runs continue it)
         node_ids = wait_for_nodes(grid, len(self.assignments), self.node_wait_timeout)
         self.global_arrays = arrays
 
@@ -215,6 +228,7 @@ class MergeStrategy(Strategy):
         """Validate every reply, exclude bad, crashed and missing clients (reason in
         ``client_reports[*]["excluded"]``), then merge the rest — or raise
         ``RoundFailedError`` (the global model is kept) when too few valid updates remain."""
+        server_round += self.round_offset  # the run's round number (resumed runs continue it)
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
         updates: list[ClientUpdate] = []
@@ -314,6 +328,9 @@ class MergeStrategy(Strategy):
         if self.server_lr != 1.0:
             delta = {k: self.server_lr * v for k, v in delta.items()}
         state = apply_delta(self.global_arrays.to_torch_state_dict(), delta)
+        if self.checkpoint is not None:
+            self.checkpoint.save(server_round, state, self.round_record())
+            log(INFO, "round %d saved to %s", server_round, self.checkpoint.folder)
         metrics = MetricRecord(
             {
                 "num-updates": len(updates),
@@ -322,6 +339,29 @@ class MergeStrategy(Strategy):
             }
         )
         return ArrayRecord(state), metrics
+
+    def round_record(self) -> dict[str, Any]:
+        """What results.json reports about the last round (JSON-safe): ``clients``, ``merge``
+        (report and seconds) and ``assignments``; also stored in the checkpoint."""
+        return json_safe(
+            {
+                "clients": self.client_reports,
+                "merge": {
+                    **(self.last_merge.report if self.last_merge else {}),
+                    "seconds": self.merge_seconds,
+                },
+                "assignments": [
+                    {
+                        "node_id": node_id,
+                        "role": a.role,
+                        "domain": a.domain,
+                        "indices": list(a.indices),
+                        "retain_indices": list(a.retain_indices),
+                    }
+                    for node_id, a in self.node_assignment.items()
+                ],
+            }
+        )
 
     def configure_evaluate(
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid

@@ -39,6 +39,7 @@ from fedunlearn.mpu import (
 )
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
+from strategies.results import json_safe
 
 MPU_MODES = ("mpu", "clean", "noised")
 
@@ -114,6 +115,10 @@ class MpuStrategy(MergeStrategy):
             "server_seconds": dict(self.seconds),
             "bytes_to_client_last_round": dict(self.bytes_to_clients),
         }
+
+    def round_record(self) -> dict[str, Any]:
+        """The base record plus ``mpu`` (``report()``; never the secret)."""
+        return {**super().round_record(), "mpu": json_safe(self.report())}
 
     def _transforms(self, server_round: int, position: int, copy: int):
         return draw_transforms(

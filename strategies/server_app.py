@@ -7,16 +7,23 @@ import json
 import logging
 import time
 from logging import INFO
+from pathlib import Path
 from typing import Any
 
 import torch
-from flwr.app import ConfigRecord, Context
+from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model, wire_state
-from fedunlearn.mpu import server_secret
 from fedunlearn.uploads import save_uploads
+from strategies.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    RunCheckpoint,
+    config_fingerprint,
+    model_structure,
+)
 from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
@@ -63,6 +70,8 @@ def main(grid: Grid, context: Context) -> None:
         }
         _write_results(output_dir, results, outcome["metrics"], scenario)
         return
+    # multi-round runs resume from <output-dir>/checkpoint (dp2u resumes per cached stage)
+    checkpoint, done, resumed_state, resumed_record = _open_checkpoint(settings, output_dir, model)
 
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
@@ -90,12 +99,14 @@ def main(grid: Grid, context: Context) -> None:
         "max_upload_mb": settings.max_upload_mb,
         "robust_norm_bound": settings.robust_norm_bound,
         "fisher_cap": settings.fisher_cap,
+        "checkpoint": checkpoint,
+        "round_offset": done,
     }
     if settings.strategy == "mpu":
         strategy: MergeStrategy = MpuStrategy(
             merge=settings.mpu_merge,
             model_config=model.config,
-            secret=server_secret(settings.mpu_secret),
+            secret=checkpoint.mpu_secret(settings.mpu_secret),  # kept there for a resume
             mode=settings.mpu_mode,
             copies=settings.mpu_copies,
             kappa=settings.mpu_kappa,
@@ -111,17 +122,25 @@ def main(grid: Grid, context: Context) -> None:
     else:
         strategy = MergeStrategy(merge=settings.strategy, **common)
     t0 = time.perf_counter()
-    result = strategy.start(
-        grid=grid,
-        initial_arrays=wire_state(model),
-        num_rounds=settings.num_rounds,
-        timeout=settings.round_timeout,
-        train_config=ConfigRecord(),
-    )
+    if done < settings.num_rounds:
+        result = strategy.start(
+            grid=grid,
+            initial_arrays=(
+                ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
+            ),
+            num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+            timeout=settings.round_timeout,
+            train_config=ConfigRecord(),
+        )
+        final_state = result.arrays.to_torch_state_dict()
+        record = strategy.round_record()
+    else:
+        log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
+        final_state, record = resumed_state, resumed_record
     phases["federated_round"] = time.perf_counter() - t0
 
     unlearned = copy.deepcopy(model)
-    unlearned.load_state_dict(result.arrays.to_torch_state_dict())
+    unlearned.load_state_dict(final_state)
     applied_error = (
         applied_update_error(model, unlearned, strategy.last_merge.delta)
         if strategy.last_merge
@@ -137,29 +156,49 @@ def main(grid: Grid, context: Context) -> None:
     results = {
         "config": settings.as_dict(),
         "metrics": metrics,
-        "clients": strategy.client_reports,
-        "merge": {
-            **(strategy.last_merge.report if strategy.last_merge else {}),
-            "seconds": strategy.merge_seconds,
-            "applied_relative_error": applied_error,
-        },
+        "clients": record["clients"],
+        "merge": {**record["merge"], "applied_relative_error": applied_error},
         "substrate": run_model.info,
-        **({"mpu": strategy.report()} if isinstance(strategy, MpuStrategy) else {}),
-        "assignments": [
-            {
-                "node_id": node_id,
-                "role": a.role,
-                "domain": a.domain,
-                "indices": list(a.indices),
-                "retain_indices": list(a.retain_indices),
-            }
-            for node_id, a in strategy.node_assignment.items()
-        ],
+        **({"mpu": record["mpu"]} if "mpu" in record else {}),
+        "assignments": record["assignments"],
         "seconds": phases,
+        **({"resumed_from_round": done} if done else {}),
     }
-    if settings.save_uploads:
+    if settings.save_uploads and strategy.last_updates:
         results["uploads"] = str(save_uploads(strategy.last_updates, output_dir / "uploads"))
+    elif settings.save_uploads:
+        log(INFO, "no round ran in this process: the uploads of the last round are not saved")
     _write_results(output_dir, results, metrics, scenario)
+
+
+def _open_checkpoint(
+    settings: RunSettings, output_dir: Path, model: torch.nn.Module
+) -> tuple[RunCheckpoint, int, dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """The run's checkpoint and what it resumes from: ``(checkpoint, finished rounds, their
+    weights, their results record)``. Without a usable checkpoint, or with ``resume=false``,
+    the folder is cleared (a fresh start); one of another config raises ``CheckpointError``."""
+    config = settings.as_dict()
+    checkpoint = RunCheckpoint(
+        output_dir / CHECKPOINT_DIR,
+        config_fingerprint(config, model_structure(model.state_dict())),
+        config,
+    )
+    loaded = checkpoint.load() if settings.resume else None
+    if loaded is None:
+        if checkpoint.folder.exists():
+            log(
+                INFO, "starting afresh: clearing %s (resume=%s)", checkpoint.folder, settings.resume
+            )
+        checkpoint.clear()
+        return checkpoint, 0, None, {}
+    done, state, record = loaded
+    if done > settings.num_rounds:
+        raise CheckpointError(
+            f"{checkpoint.folder} holds round {done}, more than num-rounds={settings.num_rounds}; "
+            "set num-rounds >= that, use another output-dir, or resume=false to start afresh"
+        )
+    log(INFO, "resuming after round %d of %d from %s", done, settings.num_rounds, checkpoint.folder)
+    return checkpoint, done, state, record
 
 
 def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:

@@ -123,6 +123,7 @@ class RunSettings:
     eval_batch_size: int = 64
     output_dir: str = ""
     save_uploads: bool = False
+    resume: bool = True  # continue from <output-dir>/checkpoint (same config); false = afresh
     round_timeout: float = 3600.0
     node_wait_timeout: float = 120.0
     # bad clients (issue 7): reply validation, dropouts, robust options before the merge

@@ -1,0 +1,224 @@
+"""Crash safety in real processes: kill a multi-round run mid-way, rerun the same command.
+
+Every run is ``python -m simulations.run_local`` in its own process group. The killed run is
+stopped with SIGKILL (no cleanup) together with everything it started — the ``flwr run``
+client, the SuperLink (its own session), the ServerApp, the simulation and Ray: all of them
+inherit a marker environment variable by which they are found. The rerun must resume from
+the last finished round and end with the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from simulations import run_local
+
+pytestmark = pytest.mark.slow
+
+SMALL_RUN = (  # as in test_mpu_flower.py
+    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
+    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+)
+MARKER = "FEDUNLEARN_TEST_RESUME_MARKER"
+FLWR_HOMES = run_local.REPO_ROOT / ".flwr_home"  # where run_local's CLI puts its Flower homes
+
+
+class Runs:
+    """Starts run_local CLI processes and finds (and finally removes) what they leave."""
+
+    def __init__(self) -> None:
+        self.marker = uuid.uuid4().hex
+        self.flwr_homes: set[Path] = set()
+        self.outputs: list[str] = []
+        self.logs: dict[int, Path] = {}
+        self.killed: list[str] = []  # command lines of the processes SIGKILLed
+
+    def start(self, run_config: str, output_dir: Path) -> subprocess.Popen:
+        env = {**os.environ, MARKER: self.marker, "OMP_NUM_THREADS": "1"}
+        command = [sys.executable, "-m", "simulations.run_local", "--run-config", run_config]
+        log = output_dir.with_name(f"{output_dir.name}-{len(self.logs)}.log")
+        with open(log, "wb") as handle:
+            process = subprocess.Popen(
+                [*command, "--output-dir", str(output_dir)],
+                cwd=run_local.REPO_ROOT,
+                env=env,
+                stdout=handle,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, killed as one
+            )
+        self.logs[process.pid] = log
+        return process
+
+    def _collect(self, process: subprocess.Popen) -> None:
+        self.outputs.append(self.logs[process.pid].read_text(errors="replace"))
+
+    def processes(self, root: subprocess.Popen | None = None) -> list[psutil.Process]:
+        """Live processes of these runs: marked ones and the descendants of ``root``."""
+        found: dict[int, psutil.Process] = {}
+        for proc in psutil.process_iter():
+            try:
+                env = proc.environ()
+            except (psutil.Error, OSError):
+                continue
+            if env.get(MARKER) == self.marker:
+                found[proc.pid] = proc
+                if env.get("FLWR_HOME"):
+                    self.flwr_homes.add(Path(env["FLWR_HOME"]))
+        if root is not None and root.poll() is None:
+            try:
+                found[root.pid] = psutil.Process(root.pid)
+                for child in found[root.pid].children(recursive=True):
+                    found[child.pid] = child
+            except psutil.NoSuchProcess:
+                pass
+        alive = []
+        for proc in found.values():
+            try:
+                if proc.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(proc)
+            except psutil.NoSuchProcess:
+                pass
+        return alive
+
+    def wait(self, process: subprocess.Popen, until=None, timeout: float = 600.0) -> bool:
+        """Wait for ``process`` to end (True) or for ``until()`` to hold (False)."""
+        deadline = time.monotonic() + timeout
+        while process.poll() is None:
+            self.processes()  # remember the Flower homes while they are in use
+            if until is not None and until():
+                return False
+            if time.monotonic() > deadline:
+                self.kill(process)
+                raise AssertionError(f"run did not finish within {timeout:.0f} s")
+            time.sleep(0.1)
+        self._collect(process)
+        return True
+
+    def kill(self, root: subprocess.Popen) -> None:
+        """SIGKILL the run's process group, then every process it started, until none is left."""
+        try:
+            os.killpg(root.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + 30
+        while alive := self.processes(root):
+            for proc in alive:
+                try:
+                    self.killed.append(" ".join(proc.cmdline()))
+                    proc.send_signal(signal.SIGKILL)
+                except psutil.NoSuchProcess:
+                    pass
+            assert time.monotonic() < deadline, f"still running after SIGKILL: {alive}"
+            time.sleep(0.2)
+        root.wait(timeout=30)
+        self._collect(root)
+        assert not self.processes(), "a process of the killed run survived"
+
+    def run(self, run_config: str, output_dir: Path) -> dict:
+        process = self.start(run_config, output_dir)
+        self.wait(process)
+        assert process.returncode == 0, self.outputs[-1][-3000:]
+        return json.loads((output_dir / "results.json").read_text())
+
+    def cleanup(self) -> None:
+        for proc in self.processes():  # a failed assertion may have left one running
+            try:
+                proc.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        for home in self.flwr_homes:  # only the homes these runs created under .flwr_home/
+            if home.parent == FLWR_HOMES and home.is_dir():
+                shutil.rmtree(home, ignore_errors=True)
+
+
+@pytest.fixture()
+def runs():
+    runs = Runs()
+    yield runs
+    runs.cleanup()
+
+
+def _finished_round(output_dir: Path) -> int:
+    try:
+        return json.loads((output_dir / "checkpoint" / "state.json").read_text())["round"]
+    except (OSError, ValueError):
+        return 0
+
+
+def _final_weights(output_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(output_dir / "checkpoint" / "weights.safetensors"))
+
+
+def _kill_after_first_round(runs: Runs, run_config: str, output_dir: Path) -> int:
+    process = runs.start(run_config, output_dir)
+    ended = runs.wait(process, until=lambda: _finished_round(output_dir) >= 1)
+    assert not ended, "the run ended before its first checkpoint: " + runs.outputs[-1][-3000:]
+    runs.kill(process)
+    # the SuperLink (own session) and Ray were found by the marker and killed as well
+    assert any("flower-superlink" in c for c in runs.killed), runs.killed
+    assert any("raylet" in c for c in runs.killed), runs.killed
+    done = _finished_round(output_dir)
+    assert not (output_dir / "results.json").exists()
+    return done
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        "strategy='mpu' mpu-merge='firm' mpu-copies=2 num-rounds=3",
+        "strategy='firm' num-rounds=2",
+    ],
+)
+def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_checkpoint, runs, options):
+    run_config = f"model-path='{tiny_checkpoint}' {options} {SMALL_RUN}"
+    num_rounds = int(options.rsplit("num-rounds=", 1)[1])
+    killed = tmp_path / "killed"
+    done = _kill_after_first_round(runs, run_config, killed)
+    assert 1 <= done < num_rounds, "killed too late: every round had finished"
+
+    resumed = runs.run(run_config, killed)
+    assert resumed["resumed_from_round"] == done
+    assert _finished_round(killed) == num_rounds
+
+    # the uninterrupted run; MPU with the fresh secret the killed run stored for its resume
+    reference_config = run_config
+    secret_file = killed / "checkpoint" / "mpu-secret"
+    if "mpu" in options:
+        assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
+        secret = json.loads(secret_file.read_text())["secret"]
+        reference_config += f" mpu-secret='{secret}'"
+        for text in [*runs.outputs, (killed / "results.json").read_text()]:
+            assert secret not in text
+    else:
+        assert not secret_file.exists()
+    reference = runs.run(reference_config, tmp_path / "reference")
+    assert "resumed_from_round" not in reference
+
+    got, want = _final_weights(killed), _final_weights(tmp_path / "reference")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want), max(
+        float((got[k] - want[k]).abs().max()) for k in want
+    )
+    assert resumed["metrics"]["after"] == reference["metrics"]["after"]
+    roles = sorted(c["role"] for c in reference["clients"])  # listed in reply order
+    assert sorted(c["role"] for c in resumed["clients"]) == roles
+    assert resumed["merge"]["norm_final"] == reference["merge"]["norm_final"]
+
+    if "mpu" not in options:  # all rounds done: a rerun only evaluates the saved weights
+        again = runs.run(run_config, killed)
+        assert again["resumed_from_round"] == num_rounds
+        assert again["metrics"]["after"] == reference["metrics"]["after"]
+        assert again["clients"] == resumed["clients"]
