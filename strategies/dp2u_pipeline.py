@@ -51,6 +51,8 @@ from strategies.settings import RunSettings
 DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
 UNLEARN_METHODS = ("ga", "graddiff", "kl", "idk")
 RFS_R = "RFS-R (retain only, E)"
+STAGE_A_SGD = "A: DP base (DP-SGD)"
+STAGE_A_MLM = "A: DP base (DP-MLM)"
 STAGE_B = "B: deployed FM (E′)"
 STAGE_C = "C: unlearned UM (E′)"
 
@@ -209,7 +211,7 @@ class Dp2uPipeline:
                 "lr": s.dp2u_dp_lr,
                 "batch-size": s.dp2u_dp_batch_size,
             }
-            return self.stage("A: DP base (DP-SGD)", "dp-base", public, s.dp2u_dp_rounds, config)
+            return self.stage(STAGE_A_SGD, "dp-base", public, s.dp2u_dp_rounds, config)
         config = {
             "mlm-path": self.public_mlm_path(),
             "mlm-epsilon": s.dp2u_epsilon,
@@ -218,7 +220,7 @@ class Dp2uPipeline:
             "batch-size": s.dp2u_batch_size,
             "local-epochs": s.dp2u_local_epochs,
         }
-        return self.stage("A: DP base (DP-MLM)", "mlm-base", public, s.dp2u_dp_rounds, config)
+        return self.stage(STAGE_A_MLM, "mlm-base", public, s.dp2u_dp_rounds, config)
 
     # ---- the request -------------------------------------------------------------------------
 
@@ -366,7 +368,7 @@ class Dp2uPipeline:
     def _privacy(self) -> dict[str, Any]:
         s = self.settings
         if s.dp2u_method == "dp2u-sgd":
-            stage = self.stages["A: DP base (DP-SGD)"]
+            stage = self.stages[STAGE_A_SGD]
             last = stage["round_reports"][-1]["clients"]
             return {
                 "mechanism": "DP-SGD (Opacus, RDP accountant, Poisson sampling)",
@@ -382,7 +384,7 @@ class Dp2uPipeline:
                 "unit": "one QA record (an author with k records: group privacy, kε)",
             }
         if s.dp2u_method == "dp2u-mlm":
-            stage = self.stages["A: DP base (DP-MLM)"]
+            stage = self.stages[STAGE_A_MLM]
             last = stage["round_reports"][-1]["clients"]
             return {
                 "mechanism": "DP-MLM rewriting (exponential mechanism, clipped MLM logits)",
