@@ -2,8 +2,9 @@
 and the proof of what reached a training loop.
 
 Every data client holds a contiguous shard of the fictitious authors (all of their QA).
-A forget request names authors (TOFU convention: the last ``forget_percent`` % of them);
-the clients holding them keep every other record. Stage A trains the base model BM_DP under
+A forget request names authors (TOFU convention: the last ``forget_percent`` % of them), or
+names authors and single records on named clients (:class:`ForgetRequest`); the clients
+holding them keep every other record. Stage A trains the base model BM_DP under
 DP on all records, stage B fine-tunes it on all records (deployed model FM), stage C
 restarts from BM_DP on the retained records only (unlearned model UM). The forgotten records
 were only ever seen under (ε, δ)-DP, so UM carries that guarantee for them.
@@ -11,7 +12,9 @@ were only ever seen under (ε, δ)-DP, so UM carries that guarantee for them.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -72,6 +75,97 @@ def data_shards(
         forget = tuple(i for a in names if a in forget_authors for i in by_author[a])
         shards.append(DataShard(indices, forget, tuple(public)))
     return shards
+
+
+@dataclass(frozen=True)
+class ForgetRequest:
+    """What one client is asked to forget: every record of ``authors`` it holds and the single
+    ``records`` (indices into the benchmark's author QA, dataset order)."""
+
+    client: int
+    authors: tuple[str, ...] = ()
+    records: tuple[int, ...] = ()
+
+
+def parse_forget_request(text: str) -> list[ForgetRequest]:
+    """``{"<client>": {"authors": [...], "records": [...]}, ...}`` (JSON) → requests in client
+    order. Syntax and types only; :func:`apply_forget_request` checks them against the data."""
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"forget request is not valid JSON: {err}") from None
+    if not isinstance(raw, dict) or not raw:
+        raise ValueError(
+            'forget request must be a non-empty JSON object {"<client>": {"authors": [...], '
+            f'"records": [...]}}, got {text[:80]!r}'
+        )
+    requests = []
+    for client, entry in raw.items():
+        if not str(client).isdigit():
+            raise ValueError(f"forget request: client {client!r} is not a client index")
+        if not isinstance(entry, dict) or set(entry) - {"authors", "records"}:
+            raise ValueError(
+                f"forget request for client {client}: expected an object with 'authors' "
+                f"and/or 'records', got {entry!r}"
+            )
+        authors, records = entry.get("authors", []), entry.get("records", [])
+        if not isinstance(authors, list) or not all(isinstance(a, str) for a in authors):
+            raise ValueError(f"forget request for client {client}: 'authors' must be names")
+        if not isinstance(records, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in records
+        ):
+            raise ValueError(f"forget request for client {client}: 'records' must be indices")
+        if not authors and not records:
+            raise ValueError(f"forget request for client {client}: names nothing to forget")
+        requests.append(ForgetRequest(int(client), tuple(authors), tuple(records)))
+    return sorted(requests, key=lambda r: r.client)
+
+
+def apply_forget_request(
+    data: TofuData, shards: Sequence[DataShard], requests: Sequence[ForgetRequest]
+) -> list[DataShard]:
+    """``shards`` with their forget sets replaced by ``requests``; clients not named forget
+    nothing. Every name and index must exist and sit on the client the request names."""
+    owner = {i: k for k, sh in enumerate(shards) for i in sh.indices}
+    by_author: dict[str, list[int]] = {}
+    for i, record in enumerate(data.author_qa):
+        by_author.setdefault(record["author"], []).append(i)
+    forget: dict[int, set[int]] = {k: set() for k in range(len(shards))}
+    for request in requests:
+        k = request.client
+        if not 0 <= k < len(shards):
+            raise ValueError(
+                f"forget request: client {k} does not exist (clients 0..{len(shards) - 1})"
+            )
+        for author in request.authors:
+            if author not in by_author:
+                raise ValueError(f"forget request for client {k}: no author named {author!r}")
+            held_by = owner[by_author[author][0]]
+            if held_by != k:
+                raise ValueError(
+                    f"forget request for client {k}: author {author!r} is held by client "
+                    f"{held_by}, not client {k}"
+                )
+            forget[k].update(by_author[author])
+        for i in request.records:
+            if i not in owner:
+                raise ValueError(
+                    f"forget request for client {k}: record {i} is not an author QA index "
+                    f"(0..{len(data.author_qa) - 1})"
+                )
+            if owner[i] != k:
+                raise ValueError(
+                    f"forget request for client {k}: record {i} is held by client {owner[i]}"
+                )
+            forget[k].add(i)
+    out = [
+        dataclasses.replace(sh, forget=tuple(i for i in sh.indices if i in forget[k]))
+        for k, sh in enumerate(shards)
+    ]
+    for k, sh in enumerate(out):
+        if not sh.retained:
+            raise ValueError(f"forget request for client {k}: the client would keep no records")
+    return out
 
 
 def fedavg(

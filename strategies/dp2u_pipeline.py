@@ -37,9 +37,10 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from clients.messages import describe_model
-from fedunlearn.benchmarks.tofu import generate_background_corpus
-from fedunlearn.dp2u import DataShard, data_shards
+from fedunlearn.benchmarks.tofu import TofuData, generate_background_corpus
+from fedunlearn.dp2u import DataShard, apply_forget_request, data_shards
 from fedunlearn.evaluation.distribution import truth_ratio_distances
+from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
 from strategies.fedtrain_strategy import FedTrainStrategy
@@ -101,6 +102,11 @@ class Dp2uPipeline:
             else ()
         )
         self.shards = data_shards(data, settings.dp2u_clients, settings.forget_percent, public)
+        self.request = settings.forget_request()
+        self.splits: dict[str, list[dict]] | None = None
+        if self.request:  # named authors / records on named clients replace forget-percent
+            self.shards = apply_forget_request(data, self.shards, self.request)
+            self.splits = request_splits(data, self.shards, settings)
         cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
         self.substrate_key = str(
             run_model.info.get("cache_key")
@@ -272,6 +278,7 @@ class Dp2uPipeline:
                 "forget_truth_ratio_distances": truth_ratio_distances(
                     metrics["after"]["forget_truth_ratios"], reference["forget_truth_ratios"]
                 ),
+                "forget_request": [asdict(r) for r in self.request] or None,
                 "shards": [
                     {
                         "private_records": len(sh.indices),
@@ -341,6 +348,8 @@ class Dp2uPipeline:
             retain=s.eval_retain_samples,
             tokens=s.eval_max_new_tokens,
             reference=reference[0] if reference else None,
+            # only a named request adds a field: percent-split keys stay those of earlier runs
+            **({"forget": self.splits["forget"]} if self.splits else {}),
         )
         path = self.cache.folder / model[0] / f"eval-{eval_key}.json" if model[0] else None
         if path is not None and path.is_file():
@@ -351,7 +360,12 @@ class Dp2uPipeline:
             self.run_model,
             s,
             reference[1] if reference else None,
+            **({"splits": self.splits} if self.splits else {}),
         )
+        if self.splits and reference:  # the scenario leaves FQ of custom splits to the caller
+            metrics["forget_quality"] = forget_quality(
+                metrics["forget_truth_ratios"], reference[1]["forget_truth_ratios"]
+            )
         if path is not None:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(json.dumps(json_safe(metrics)))
@@ -426,6 +440,22 @@ class Dp2uPipeline:
                 }
             )
         return checks
+
+
+def request_splits(
+    data: TofuData, shards: list[DataShard], settings: RunSettings
+) -> dict[str, list[dict]]:
+    """Evaluation splits of a named forget request: the requested records (dataset order), a
+    seeded sample of the author QA nobody was asked to forget, and the never-forgotten sets."""
+    gone = {i for sh in shards for i in sh.forget}
+    retain = [r for i, r in enumerate(data.author_qa) if i not in gone]
+    rng = random.Random(settings.seed + 7)
+    return {
+        "forget": [data.author_qa[i] for i in sorted(gone)],
+        "retain": rng.sample(retain, min(settings.eval_retain_samples, len(retain))),
+        "real_authors": data.real_authors,
+        "world_facts": data.world_facts,
+    }
 
 
 def _arrays(state: dict[str, torch.Tensor]) -> ArrayRecord:

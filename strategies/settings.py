@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.dp2u import ForgetRequest, parse_forget_request
 from fedunlearn.models.substrate import SubstrateConfig
 from fedunlearn.objectives import OBJECTIVES, objective_requirements
 from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
@@ -113,6 +114,9 @@ class RunSettings:
     dp2u_public_knowledge: bool = True  # every client also trains on the public knowledge
     dp2u_mlm_sensitive_only: bool = False
     dp2u_mlm_path: str = ""  # a local masked-LM checkpoint; "" = built from the public corpus
+    # named forget request: JSON {"<client>": {"authors": [...], "records": [...]}} or the
+    # path of a JSON file holding one; "" = the last forget-percent % of the authors
+    dp2u_forget_request: str = ""
     # baselines
     ties_k: float = 0.2
     fulm_threshold: float = 0.6
@@ -214,6 +218,11 @@ class RunSettings:
             raise ValueError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
         if self.strategy == "dp2u":
             self._validate_dp2u()
+        elif self.dp2u_forget_request:
+            raise ValueError(
+                "dp2u-forget-request needs strategy='dp2u' (the other strategies forget the "
+                "scenario's forget-percent split)"
+            )
         if self.strategy == "mpu":
             if self.mpu_mode not in ("mpu", "clean", "noised"):
                 raise ValueError(f"mpu-mode must be mpu, clean or noised, got {self.mpu_mode!r}")
@@ -393,6 +402,19 @@ class RunSettings:
         for name in ("dp2u_clip", "dp2u_dp_lr", "dp2u_lr"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name.replace('_', '-')} must be > 0")
+        self.forget_request()  # syntax now; names and indices against the data in the pipeline
+
+    def forget_request(self) -> list[ForgetRequest]:
+        """The parsed ``dp2u-forget-request`` (inline JSON or a JSON file); [] when unset."""
+        text = self.dp2u_forget_request.strip()
+        if not text:
+            return []
+        if not text.startswith("{"):
+            path = Path(text).expanduser()
+            if not path.is_file():
+                raise ValueError(f"dp2u-forget-request: {text!r} is neither JSON nor a file")
+            text = path.read_text()
+        return parse_forget_request(text)
 
     @property
     def num_clients(self) -> int:

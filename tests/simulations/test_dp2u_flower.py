@@ -6,6 +6,8 @@ import math
 import pytest
 from opacus.accountants import RDPAccountant
 
+from fedunlearn.benchmarks.tofu import generate_tofu
+from fedunlearn.dp2u import data_shards
 from simulations import run_local
 
 pytestmark = pytest.mark.slow
@@ -62,14 +64,39 @@ def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path,
         assert 0 <= results["metrics"][name]["model_utility"] <= 1
 
 
-def test_baseline_runs_through_the_same_pipeline(tmp_path, tiny_checkpoint):
-    results = _run(tmp_path, tiny_checkpoint, "dp2u-method='graddiff'")
+def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(
+    tmp_path, tiny_checkpoint
+):
+    # a forget request naming one author on client 0 and one single record on client 1
+    # (the forget-10 % split would have hit client 1's last two authors only)
+    data = generate_tofu(seed=0, num_authors=20, qa_per_author=10)
+    shards = data_shards(data, num_clients=2, forget_percent=10.0)
+    author = data.author_qa[shards[0].indices[0]]["author"]
+    record = shards[1].indices[3]
+    request = json.dumps({"0": {"authors": [author]}, "1": {"records": [record]}})
+    (tmp_path / "request.json").write_text(request)
+    results = _run(
+        tmp_path,
+        tiny_checkpoint,
+        f"dp2u-method='graddiff' dp2u-forget-request='{tmp_path / 'request.json'}'",
+    )
     dp = results["dp2u"]
     assert dp["privacy"] == {"mechanism": "none"}
     assert set(dp["stages"]) == {"RFS-R (retain only, E)", "deployed (E)", "unlearning round"}
+    assert dp["forget_request"] == [
+        {"client": 0, "authors": [author], "records": []},
+        {"client": 1, "authors": [], "records": [record]},
+    ]
+    assert [s["forget"] for s in dp["shards"]] == [10, 1]
+    # RFS-R trained on exactly the retained records of both clients (digest of its examples)
+    assert [c["forget_records_on_client"] for c in dp["data_check"]] == [10, 1]
+    assert all(c["trained_on_retained_only"] for c in dp["data_check"])
     forget_clients = dp["stages"]["unlearning round"]["clients"]
-    assert len(forget_clients) == 1 and forget_clients[0]["objective"] == "graddiff"
-    assert results["metrics"]["after"] != results["metrics"]["before"]
+    assert len(forget_clients) == 2 and forget_clients[0]["objective"] == "graddiff"
+    after = results["metrics"]["after"]
+    assert len(after["forget_truth_ratios"]) == 11  # evaluated on the requested records
+    assert 0 < after["forget_quality"] <= 1
+    assert after != results["metrics"]["before"]
 
 
 def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(tmp_path, tiny_checkpoint):

@@ -72,8 +72,27 @@ def test_layer_defaults_follow_the_model_depth():
         ({"objective": "graddiff", "local-retain-samples": 0}, "local-retain-samples"),
         ({"objective": "nope"}, "objective 'nope' is unknown"),
         ({"scenario": "nope"}, "scenario 'nope' is not available"),
+        ({"dp2u-forget-request": '{"0": {"records": [1]}}'}, "needs strategy='dp2u'"),
     ],
 )
 def test_combinations_refused_before_anything_runs(config, message):
     with pytest.raises(ValueError, match=message):
         RunSettings.from_run_config(config)
+
+
+def test_dp2u_forget_request_inline_or_from_a_file(tmp_path):
+    inline = RunSettings.from_run_config(
+        {"strategy": "dp2u", "dp2u-forget-request": '{"1": {"records": [3, 4]}}'}
+    )
+    assert [(r.client, r.records) for r in inline.forget_request()] == [(1, (3, 4))]
+    path = tmp_path / "request.json"
+    path.write_text('{"0": {"authors": ["Ann Lee"]}}')
+    from_file = RunSettings.from_run_config(
+        {"strategy": "dp2u", "dp2u-forget-request": str(path)}
+    )
+    assert [(r.client, r.authors) for r in from_file.forget_request()] == [(0, ("Ann Lee",))]
+    assert RunSettings().forget_request() == []
+    with pytest.raises(ValueError, match="neither JSON nor a file"):
+        RunSettings.from_run_config({"strategy": "dp2u", "dp2u-forget-request": "nope.json"})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        RunSettings.from_run_config({"strategy": "dp2u", "dp2u-forget-request": "{1: 2}"})
