@@ -64,9 +64,7 @@ def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path,
         assert 0 <= results["metrics"][name]["model_utility"] <= 1
 
 
-def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(
-    tmp_path, tiny_checkpoint
-):
+def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(tmp_path, tiny_checkpoint):
     # a forget request naming one author on client 0 and one single record on client 1
     # (the forget-10 % split would have hit client 1's last two authors only)
     data = generate_tofu(seed=0, num_authors=20, qa_per_author=10)

@@ -87,9 +87,7 @@ def test_dp2u_forget_request_inline_or_from_a_file(tmp_path):
     assert [(r.client, r.records) for r in inline.forget_request()] == [(1, (3, 4))]
     path = tmp_path / "request.json"
     path.write_text('{"0": {"authors": ["Ann Lee"]}}')
-    from_file = RunSettings.from_run_config(
-        {"strategy": "dp2u", "dp2u-forget-request": str(path)}
-    )
+    from_file = RunSettings.from_run_config({"strategy": "dp2u", "dp2u-forget-request": str(path)})
     assert [(r.client, r.authors) for r in from_file.forget_request()] == [(0, ("Ann Lee",))]
     assert RunSettings().forget_request() == []
     with pytest.raises(ValueError, match="neither JSON nor a file"):
