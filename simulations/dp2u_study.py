@@ -1,6 +1,7 @@
 """DP2Unlearning on tofu (paper Table 3 style): methods × forget splits, then an ε sweep.
 
     python -m simulations.dp2u_study [--forget 1,5,10] [--methods ...] [--epsilons ...]
+        [--dp-lr-by-epsilon 1:0.05,10:0.2,100:0.4]
 
 Every cell is one real Flower simulation with ``strategy=dp2u``; stages shared between cells
 (the DP base per ε, the deployed models, RFS-R per forget split) are trained once and cached
@@ -49,12 +50,22 @@ def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
         "forget_truth_ratio": after["forget_truth_ratio"],
         "deployed_model_utility": results["metrics"]["before"]["model_utility"],
         "deployed_forget_rouge_l": results["metrics"]["before"]["forget_rouge_l"],
+        "base_model_utility": results["metrics"].get("base", {}).get("model_utility"),
+        "dp_lr": results["config"].get("dp2u-dp-lr") if dp["method"] == "dp2u-sgd" else None,
         "epsilon_spent_max": max((e for e in spent if e is not None), default=None),
         **{k: v for k, v in dp["forget_truth_ratio_distances"].items() if k != "ks_pvalue"},
         **dp["cost_vs_rfs_r"],
         "trained_on_retained_only": all(c["trained_on_retained_only"] for c in dp["data_check"]),
         "results": str(path),
     }
+
+
+def _lr_override(method: str, eps: float, dp_lr_by_epsilon: dict[float, float]) -> tuple[str, str]:
+    """(run-config addition, folder suffix) of the DP-SGD learning rate tuned for ``eps``."""
+    if method != "dp2u-sgd" or eps not in dp_lr_by_epsilon:
+        return "", ""
+    lr = dp_lr_by_epsilon[eps]
+    return f" dp2u-dp-lr={lr}", f"-lr{lr:g}"
 
 
 def study(
@@ -65,23 +76,30 @@ def study(
     epsilons: tuple[float, ...] = (0.5, 1.0, 10.0, 25.0, 100.0),
     sweep_forget: float = 1.0,
     run_config: str = "",
+    dp_lr_by_epsilon: dict[float, float] | None = None,
 ) -> dict[str, Any]:
     """The method table at ε = 1 for every forget split, then the ε sweep of the DP methods."""
     output_dir.mkdir(parents=True, exist_ok=True)
     base = f"strategy='dp2u' {run_config}".strip()
+    lrs = dp_lr_by_epsilon or {}
     table = []
     for percent in forget:
         for method in methods:
-            name = f"forget{percent:g}-{method}"
-            config = f"{base} forget-percent={percent} dp2u-method='{method}' dp2u-epsilon=1.0"
+            extra, suffix = _lr_override(method, 1.0, lrs)
+            name = f"forget{percent:g}-{method}{suffix}"
+            config = (
+                f"{base} forget-percent={percent} dp2u-method='{method}' dp2u-epsilon=1.0{extra}"
+            )
             cell = _cell(config, output_dir / "runs" / name)
             table.append({"forget_percent": percent, "method": method, **cell})
     sweep = []
     for method in (m for m in methods if m in DP_METHODS):
         for eps in epsilons:
-            name = f"forget{sweep_forget:g}-{method}-eps{eps:g}"
+            extra, suffix = _lr_override(method, eps, lrs)
+            name = f"forget{sweep_forget:g}-{method}-eps{eps:g}{suffix}"
             config = (
-                f"{base} forget-percent={sweep_forget} dp2u-method='{method}' dp2u-epsilon={eps}"
+                f"{base} forget-percent={sweep_forget} dp2u-method='{method}' "
+                f"dp2u-epsilon={eps}{extra}"
             )
             cell = _cell(config, output_dir / "runs" / name)
             sweep.append({"method": method, "epsilon": eps, **cell})
@@ -102,12 +120,14 @@ def _fmt(value: Any) -> str:
 
 COLUMNS = (
     "model_utility",
+    "base_model_utility",
     "forget_quality",
     "forget_rouge_l",
     "js_divergence",
     "wasserstein",
     "entropy_difference",
     "epsilon_spent_max",
+    "dp_lr",
     "epochs_ratio",
     "client_seconds_ratio",
     "trained_on_retained_only",
@@ -171,6 +191,20 @@ def plot_study(summary: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def _lr_map(text: str) -> dict[float, float]:
+    """``"1:0.05,10:0.2"`` → {1.0: 0.05, 10.0: 0.2}."""
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        out = {float(eps): float(lr) for eps, lr in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ε:lr pairs like 1:0.05,10:0.2, got {text!r}"
+        ) from None
+    if any(not (math.isfinite(v) and v > 0) for kv in out.items() for v in kv):
+        raise argparse.ArgumentTypeError(f"ε and lr must be positive, got {text!r}")
+    return out
+
+
 def _floats(text: str) -> tuple[float, ...]:
     values = tuple(float(x) for x in text.split(",") if x.strip())
     if any(not math.isfinite(v) or v <= 0 for v in values):
@@ -185,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epsilons", type=_floats, default=(0.5, 1.0, 10.0, 25.0, 100.0))
     parser.add_argument("--sweep-forget", type=float, default=1.0)
     parser.add_argument("--run-config", default="", help="extra run-config overrides")
+    parser.add_argument(
+        "--dp-lr-by-epsilon", type=_lr_map, default=None, help="ε:dp2u-dp-lr pairs (dp2u-sgd)"
+    )
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)
     methods = tuple(m for m in args.methods.split(",") if m)
@@ -201,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         epsilons=args.epsilons,
         sweep_forget=args.sweep_forget,
         run_config=args.run_config,
+        dp_lr_by_epsilon=args.dp_lr_by_epsilon,
     )
     print(study_markdown(summary))
     print(f"written to {output_dir}")
