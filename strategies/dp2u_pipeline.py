@@ -12,7 +12,7 @@
   fine-tuned on all records for E rounds), then one federated unlearning round on the
   clients that hold the forget records (LoRA, ``forget-steps``, ``forget-lr``, sum merge).
 
-Every stage is a Flower FedAvg run over the data clients (one local epoch per round). Models
+Every stage is a Flower FedAvg run over the data clients (``dp2u-local-epochs`` per round). Models
 of finished stages are cached on the server (``<cache-dir>/dp2u/<key>``, keyed by everything
 that determines them), so a sweep over methods and ε trains each shared stage once.
 """

@@ -99,17 +99,17 @@ class RunSettings:
     mpu_pretrained_path: str = ""  # θ_pretrained for task-vector; "" = the substrate's
     # DP2Unlearning (strategy=dp2u): DP base, deployed fine-tune, retain-only unlearning
     dp2u_method: str = "dp2u-sgd"  # dp2u-sgd | dp2u-mlm | rfs-r | ga | graddiff | kl | idk
-    dp2u_clients: int = 4
+    dp2u_clients: int = 2
     dp2u_epsilon: float = 1.0  # DP-SGD: per client, all stage-A rounds; DP-MLM: per token
     dp2u_delta: float = 1e-5
     dp2u_clip: float = 1.0
     dp2u_dp_rounds: int = 2
     dp2u_dp_lr: float = 0.05
     dp2u_dp_batch_size: int = 64
-    dp2u_finetune_rounds: int = 5  # E′ (stages B and C)
-    dp2u_retrain_rounds: int = 10  # E (RFS-R and the non-DP deployed model)
-    dp2u_local_epochs: int = 1  # local epochs per round of the non-DP stages
-    dp2u_lr: float = 2e-3
+    dp2u_finetune_rounds: int = 3  # E′ (stages B and C)
+    dp2u_retrain_rounds: int = 6  # E (RFS-R and the non-DP deployed model)
+    dp2u_local_epochs: int = 4  # local epochs per round of the non-DP stages
+    dp2u_lr: float = 4e-3
     dp2u_batch_size: int = 32
     dp2u_public_knowledge: bool = True  # every client also trains on the public knowledge
     dp2u_mlm_sensitive_only: bool = False
