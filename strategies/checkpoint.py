@@ -80,12 +80,19 @@ def config_fingerprint(config: Mapping[str, Any], model: Mapping[str, str] | Non
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
+    """Make a rename or a new entry in ``folder`` durable."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush ``path``'s contents to disk (after a writer that does not fsync, e.g. safetensors)."""
+    with open(path, "rb+") as handle:
+        os.fsync(handle.fileno())
 
 
 def _write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -152,8 +159,7 @@ class RunCheckpoint:
             seen.add(t.data_ptr())
             tensors[name] = t
         save_file(tensors, str(weights_tmp), metadata={"round": str(server_round), "nonce": nonce})
-        with open(weights_tmp, "rb+") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(weights_tmp)
         record = {
             "format": FORMAT_VERSION,
             "round": int(server_round),
@@ -164,9 +170,9 @@ class RunCheckpoint:
         }
         _write_bytes(state_tmp, json.dumps(record, indent=1, allow_nan=False).encode())
         os.replace(weights_tmp, self.weights_path)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
         os.replace(state_tmp, self.state_path)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
     def _read_state(self, path: Path) -> dict[str, Any] | None:
         try:
@@ -193,7 +199,7 @@ class RunCheckpoint:
         if pending is not None and pending["nonce"] == weights_nonce:
             # crash between the two replaces: the new weights are in place, finish the save
             os.replace(self.folder / f"{STATE_FILE}.tmp", self.state_path)
-            _fsync_dir(self.folder)
+            fsync_dir(self.folder)
             record = pending
         if record is None:
             return None
@@ -285,7 +291,7 @@ class RunCheckpoint:
         tmp = self.folder / f"{SECRET_FILE}.tmp"
         _write_bytes(tmp, json.dumps(record).encode(), mode=0o600)
         os.replace(tmp, self.secret_path)
-        _fsync_dir(self.folder)
+        fsync_dir(self.folder)
 
 
 def _secret_check(secret: bytes) -> str:

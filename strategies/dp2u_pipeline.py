@@ -43,6 +43,7 @@ from fedunlearn.evaluation.distribution import truth_ratio_distances
 from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
+from strategies.checkpoint import fsync_dir, fsync_file
 from strategies.fedtrain_strategy import FedTrainStrategy
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import json_safe
@@ -61,7 +62,8 @@ STAGE_C = "C: unlearned UM (E′)"
 class StageCache:
     """Finished stage models on disk: ``<folder>/<key>/model.safetensors`` + ``info.json``.
 
-    Written atomically (temporary folder, then rename), so a crash never leaves half a model.
+    Written atomically and durably (temporary folder, fsynced, then renamed and the parent
+    fsynced), so a crash never leaves half a model.
     """
 
     def __init__(self, folder: Path) -> None:
@@ -85,7 +87,11 @@ class StageCache:
         tmp.mkdir(parents=True, exist_ok=True)
         save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
         (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str))
+        for name in ("model.safetensors", "info.json"):
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         tmp.replace(self.folder / key)
+        fsync_dir(self.folder)  # the rename itself survives a power loss
 
 
 class Dp2uPipeline:
