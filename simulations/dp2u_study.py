@@ -74,7 +74,7 @@ def study(
     forget: tuple[float, ...] = (1.0, 5.0, 10.0),
     methods: tuple[str, ...] = METHODS,
     epsilons: tuple[float, ...] = (0.5, 1.0, 10.0, 25.0, 100.0),
-    sweep_forget: float = 1.0,
+    sweep_forget: float = 5.0,
     run_config: str = "",
     dp_lr_by_epsilon: dict[float, float] | None = None,
 ) -> dict[str, Any]:
@@ -217,7 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--forget", type=_floats, default=(1.0, 5.0, 10.0))
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--epsilons", type=_floats, default=(0.5, 1.0, 10.0, 25.0, 100.0))
-    parser.add_argument("--sweep-forget", type=float, default=1.0)
+    parser.add_argument(
+        "--sweep-forget", type=float, default=5.0, help="forget %% of the ε sweep (1 %% = 10 QA)"
+    )
     parser.add_argument("--run-config", default="", help="extra run-config overrides")
     parser.add_argument(
         "--dp-lr-by-epsilon", type=_lr_map, default=None, help="ε:dp2u-dp-lr pairs (dp2u-sgd)"
