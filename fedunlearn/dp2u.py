@@ -48,6 +48,14 @@ class DataShard:
         return self.indices + self.public
 
 
+def _records_by_author(data: TofuData) -> dict[str, list[int]]:
+    """Author name → indices of their QA in ``data.author_qa``, in author order."""
+    by_author: dict[str, list[int]] = {a: [] for a in data.author_names}
+    for i, record in enumerate(data.author_qa):
+        by_author[record["author"]].append(i)
+    return by_author
+
+
 def data_shards(
     data: TofuData,
     num_clients: int,
@@ -64,9 +72,7 @@ def data_shards(
     if not 1 <= num_clients <= len(authors):
         raise ValueError(f"dp2u-clients must be in [1, {len(authors)}], got {num_clients}")
     forget_authors = set(data.forget_authors(forget_percent))
-    by_author: dict[str, list[int]] = {a: [] for a in authors}
-    for i, record in enumerate(data.author_qa):
-        by_author[record["author"]].append(i)
+    by_author = _records_by_author(data)
     bounds = [round(k * len(authors) / num_clients) for k in range(num_clients + 1)]
     shards = []
     for k in range(num_clients):
@@ -127,9 +133,7 @@ def apply_forget_request(
     """``shards`` with their forget sets replaced by ``requests``; clients not named forget
     nothing. Every name and index must exist and sit on the client the request names."""
     owner = {i: k for k, sh in enumerate(shards) for i in sh.indices}
-    by_author: dict[str, list[int]] = {}
-    for i, record in enumerate(data.author_qa):
-        by_author.setdefault(record["author"], []).append(i)
+    by_author = _records_by_author(data)
     forget: dict[int, set[int]] = {k: set() for k in range(len(shards))}
     for request in requests:
         k = request.client

@@ -37,7 +37,7 @@ from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from clients.messages import describe_model
-from fedunlearn.benchmarks.tofu import TofuData, generate_background_corpus
+from fedunlearn.benchmarks.tofu import generate_background_corpus
 from fedunlearn.dp2u import DataShard, apply_forget_request, data_shards
 from fedunlearn.evaluation.distribution import truth_ratio_distances
 from fedunlearn.evaluation.tofu_metrics import forget_quality
@@ -109,10 +109,12 @@ class Dp2uPipeline:
         )
         self.shards = data_shards(data, settings.dp2u_clients, settings.forget_percent, public)
         self.request = settings.forget_request()
+        self.forget_indices: list[int] = []
         self.splits: dict[str, list[dict]] | None = None
         if self.request:  # named authors / records on named clients replace forget-percent
             self.shards = apply_forget_request(data, self.shards, self.request)
-            self.splits = request_splits(data, self.shards, settings)
+            self.forget_indices = sorted(i for sh in self.shards for i in sh.forget)
+            self.splits = run_model.scenario.evaluation_splits(self.forget_indices)
         cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
         self.substrate_key = str(
             run_model.info.get("cache_key")
@@ -355,7 +357,7 @@ class Dp2uPipeline:
             tokens=s.eval_max_new_tokens,
             reference=reference[0] if reference else None,
             # only a named request adds a field: percent-split keys stay those of earlier runs
-            **({"forget": self.splits["forget"]} if self.splits else {}),
+            **({"forget": self.forget_indices} if self.request else {}),
         )
         path = self.cache.folder / model[0] / f"eval-{eval_key}.json" if model[0] else None
         if path is not None and path.is_file():
@@ -446,22 +448,6 @@ class Dp2uPipeline:
                 }
             )
         return checks
-
-
-def request_splits(
-    data: TofuData, shards: list[DataShard], settings: RunSettings
-) -> dict[str, list[dict]]:
-    """Evaluation splits of a named forget request: the requested records (dataset order), a
-    seeded sample of the author QA nobody was asked to forget, and the never-forgotten sets."""
-    gone = {i for sh in shards for i in sh.forget}
-    retain = [r for i, r in enumerate(data.author_qa) if i not in gone]
-    rng = random.Random(settings.seed + 7)
-    return {
-        "forget": [data.author_qa[i] for i in sorted(gone)],
-        "retain": rng.sample(retain, min(settings.eval_retain_samples, len(retain))),
-        "real_authors": data.real_authors,
-        "world_facts": data.world_facts,
-    }
 
 
 def _arrays(state: dict[str, torch.Tensor]) -> ArrayRecord:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -233,13 +234,25 @@ class TofuScenario(Scenario):
     def reference_name(self) -> str:
         return f"reference-forget{self.params.forget_percent:g}"
 
-    def evaluation_splits(self) -> dict[str, list[dict]]:
-        """Forget split, a seeded retain sample, and the two never-forgotten sets."""
-        retain = self.data.retain_split(self.params.forget_percent)
+    def evaluation_splits(
+        self, forget_indices: Collection[int] | None = None
+    ) -> dict[str, list[dict]]:
+        """Forget split, a seeded retain sample, and the two never-forgotten sets.
+
+        ``forget_indices`` (indices into the author QA, e.g. a named forget request) replace
+        the forget-percent split: forget = those records in dataset order, retain = the rest.
+        """
+        if forget_indices is None:
+            forget = self.data.forget_split(self.params.forget_percent)
+            retain = self.data.retain_split(self.params.forget_percent)
+        else:
+            gone = set(forget_indices)
+            forget = [r for i, r in enumerate(self.data.author_qa) if i in gone]
+            retain = [r for i, r in enumerate(self.data.author_qa) if i not in gone]
         rng = random.Random(self.params.seed + 7)
         sample = rng.sample(retain, min(self.params.eval_retain_samples, len(retain)))
         return {
-            "forget": self.data.forget_split(self.params.forget_percent),
+            "forget": forget,
             "retain": sample,
             "real_authors": self.data.real_authors,
             "world_facts": self.data.world_facts,

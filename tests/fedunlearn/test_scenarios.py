@@ -92,3 +92,20 @@ def test_tofu_holdout_is_never_trained_and_privleak_is_relative(tiny_model, tiny
     assert 0.0 <= alone["privleak_auc"] <= 1.0 and alone["privleak"] is None
     relative = scenario.privleak_metrics(tiny_model, tiny_tokenizer, {"privleak_auc": 0.5})
     assert relative["privleak"] == pytest.approx((alone["privleak_auc"] - 0.5) / 0.5 * 100)
+
+
+def test_tofu_evaluation_splits_of_named_records():
+    from fedunlearn.scenarios import ScenarioParams, get_scenario
+
+    scenario = get_scenario("tofu")(
+        ScenarioParams(num_authors=20, forget_percent=10.0, eval_retain_samples=30)
+    )
+    qa = scenario.data.author_qa
+    forget_authors = set(scenario.data.forget_authors(10.0))
+    percent = [i for i, r in enumerate(qa) if r["author"] in forget_authors]
+    # the percent split named record by record gives the same splits, sample included
+    assert scenario.evaluation_splits(percent) == scenario.evaluation_splits()
+    named = scenario.evaluation_splits([17, 3])
+    assert named["forget"] == [qa[3], qa[17]]  # dataset order
+    assert len(named["retain"]) == 30 and qa[3] not in named["retain"]
+    assert named["real_authors"] == scenario.data.real_authors
