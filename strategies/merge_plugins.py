@@ -26,30 +26,49 @@ MergeFn = Callable[..., MergeResult]
 
 
 def resolve_merge(name: str) -> MergeFn:
-    """The merge function ``name`` refers to; a clear error when there is none."""
+    """The merge function ``name`` refers to, importing a plug-in now; a ``ValueError`` naming
+    ``name`` and the cause (the plug-in's import error, the merges there are) otherwise."""
     if ":" in name:
         module_name, _, attr = name.partition(":")
         try:
             module = importlib.import_module(module_name)
-        except ImportError as err:
+        except Exception as err:  # a plug-in may fail on import with anything: name it
             raise ValueError(
-                f"strategy {name!r}: cannot import module {module_name!r}: {err}"
+                f"merge {name!r}: cannot import module {module_name!r}: {type(err).__name__}: {err}"
             ) from err
         fn = getattr(module, attr, None)
         if not callable(fn):
-            raise ValueError(f"strategy {name!r}: {module_name} has no callable {attr!r}")
+            raise ValueError(f"merge {name!r}: {module_name} has no callable {attr!r}")
         return fn
     if name in MERGES:
         return MERGES[name]
     for entry in entry_points(group=ENTRY_POINT_GROUP):
         if entry.name == name:
-            return entry.load()
+            try:
+                return entry.load()
+            except Exception as err:  # as above: the installed plug-in is broken
+                raise ValueError(
+                    f"merge {name!r}: entry point {entry.value!r} does not load: "
+                    f"{type(err).__name__}: {err}"
+                ) from err
     plugins = sorted(e.name for e in entry_points(group=ENTRY_POINT_GROUP))
     raise ValueError(
-        f"unknown strategy {name!r}: built-in merges are {', '.join(sorted(MERGES))}"
+        f"unknown merge {name!r}: built-in merges are {', '.join(sorted(MERGES))}"
         + (f"; plug-ins: {', '.join(plugins)}" if plugins else "")
         + "; or give 'package.module:function'"
     )
+
+
+def check_merge_call(fn: MergeFn, parameters: Mapping[str, Any]) -> None:
+    """``ValueError`` unless ``fn(updates, **merge_kwargs(fn, parameters))`` binds: one
+    positional argument and every required keyword among ``parameters``."""
+    try:
+        inspect.signature(fn).bind(None, **merge_kwargs(fn, parameters))
+    except TypeError as err:
+        raise ValueError(
+            f"cannot be called as merge(updates, <run-config parameters "
+            f"{', '.join(sorted(parameters))}>): {err}"
+        ) from None
 
 
 def merge_kwargs(fn: MergeFn, parameters: Mapping[str, Any]) -> dict[str, Any]:

@@ -10,16 +10,15 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.benchmarks.wmdp import HAZARD_DOMAINS
 from fedunlearn.dp2u import ForgetRequest, parse_forget_request
 from fedunlearn.models.substrate import SubstrateConfig
-from fedunlearn.objectives import OBJECTIVES, objective_requirements
-from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS, ScenarioParams
+from fedunlearn.objectives import objective_requirements
+from fedunlearn.scenarios import SCENARIOS, ScenarioParams
 from fedunlearn.training.lora import parse_layers
-
-DTYPES = ("auto", "float32", "bfloat16")  # float16 would need loss scaling
-FINETUNE_MODES = ("lora", "full")
-DP2U_METHODS = ("dp2u-sgd", "dp2u-mlm", "rfs-r", "ga", "graddiff", "kl", "idk")
-MPU_SIGMA_SOURCES = ("weights", "task-vector")
+from strategies.merge_plugins import check_merge_call, resolve_merge
+from strategies.secret_files import check_secret_keys
+from strategies.settings_rules import RunConfigError, check_value, close_matches, key_name
 
 
 @dataclass(frozen=True)
@@ -93,7 +92,8 @@ class RunSettings:
     mpu_copies: int = 2
     mpu_kappa: float = 0.01
     mpu_permute_groups: bool = True
-    mpu_secret: str = ""
+    mpu_secret: str = ""  # refused: a secret in the run config leaks (secret_files)
+    mpu_secret_file: str = ""  # a 0600 file holding the server secret; "" = env or fresh
     mpu_server_lr: float = 1.0
     mpu_sigma_source: str = "weights"  # weights | task-vector (θ − θ_pretrained)
     mpu_pretrained_path: str = ""  # θ_pretrained for task-vector; "" = the substrate's
@@ -138,27 +138,16 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
-        """Parse Flower's run config; unknown keys and wrong types are clear errors."""
-        known = {f.name.replace("_", "-"): f for f in fields(cls)}
+        """Parse Flower's run config and check every key (:meth:`validate`) before any work;
+        unknown keys, wrong types and bad values raise :class:`RunConfigError`."""
+        known = {key_name(f.name): f for f in fields(cls)}
         values: dict[str, Any] = {}
         for key, raw in run_config.items():
             if key not in known:
-                raise KeyError(f"unknown run-config key {key!r}; known: {', '.join(sorted(known))}")
+                listing = close_matches(key, known) or f"; the keys are: {', '.join(sorted(known))}"
+                raise RunConfigError(f"unknown run-config key {key!r}{listing}")
             field = known[key]
-            kind = type(field.default)
-            if (
-                kind is float
-                and isinstance(raw, str)
-                and raw.strip().lower() in ("inf", "infinity")
-            ):
-                value: Any = math.inf
-            elif kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
-                value = float(raw)
-            elif isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
-                value = raw
-            else:
-                raise TypeError(f"run-config key {key!r} must be {kind.__name__}, got {raw!r}")
-            values[field.name] = value
+            values[field.name] = _typed_value(key, raw, type(field.default))
         settings = cls(**values).resolved()
         settings.validate()
         return settings
@@ -166,11 +155,7 @@ class RunSettings:
     def resolved(self) -> RunSettings:
         """A copy where every key left on its "scenario default" value ("auto", 0, -1) takes
         the scenario's default (``Scenario.defaults``); explicit values are kept."""
-        if self.scenario not in SCENARIOS:
-            raise ValueError(
-                f"scenario {self.scenario!r} is not available (available: "
-                f"{', '.join(sorted(SCENARIOS))})"
-            )
+        check_value("scenario", self.scenario, str)
         unset = {f.name: f.default for f in fields(self)}
         changes = {
             name: value
@@ -180,112 +165,101 @@ class RunSettings:
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
-        if self.scenario not in SCENARIOS:
-            raise ValueError(
-                f"scenario {self.scenario!r} is not available (available: "
-                f"{', '.join(sorted(SCENARIOS))})"
+        """Every key against its rule (:data:`strategies.settings_rules.RULES`: names, types,
+        ranges, finiteness; merges and plug-ins resolved), then the combinations of keys.
+        Raises :class:`RunConfigError`, a ``ValueError``."""
+        for f in fields(self):
+            check_value(f.name, getattr(self, f.name), type(f.default))
+        self._validate_model_and_data()
+        self._validate_objective()
+        self._validate_merge()
+        self._validate_clients()
+        check_secret_keys(self.mpu_secret, self.mpu_secret_file)
+        if self.strategy == "dp2u":
+            self._validate_dp2u()
+        elif self.dp2u_forget_request:
+            raise RunConfigError(
+                "dp2u-forget-request needs strategy='dp2u' (the other strategies forget the "
+                "scenario's forget-percent split)"
             )
-        if self.objective not in OBJECTIVES:
-            raise ValueError(
-                f"objective {self.objective!r} is unknown; available: "
-                f"{', '.join(sorted(OBJECTIVES))}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    def _validate_model_and_data(self) -> None:
+        """``data-path`` with ``model-path``, 4-bit with LoRA, WMDP's ``forget-domains``."""
         if self.data_path and not self.model_path:
-            raise ValueError(
+            raise RunConfigError(
                 "data-path (real benchmark files) needs model-path: the built-in substrate is "
                 "trained on the generated data and its reference would not match the files"
             )
+        if self.finetune == "full" and self.load_in_4bit:
+            raise RunConfigError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
+        unknown = [d for d in self._forget_domain_list() if d not in HAZARD_DOMAINS]
+        if self.scenario == "wmdp" and (unknown or not self._forget_domain_list()):
+            raise RunConfigError(
+                f"run-config key 'forget-domains' = {self.forget_domains!r}: must name hazard "
+                f"domains ({', '.join(HAZARD_DOMAINS)}); unknown: {unknown}"
+            )
+
+    def _validate_objective(self) -> None:
+        """The forget objective fits the scenario's data and the clients' retain samples."""
         requirements = objective_requirements(self.objective)
         if self.objective == "nll":
-            raise ValueError("objective 'nll' trains ON the forget data; pick a forget objective")
+            raise RunConfigError(
+                "objective 'nll' trains ON the forget data; pick a forget objective"
+            )
         if requirements.needs_alternate and not SCENARIOS[self.scenario].qa_forget_data:
-            raise ValueError(
+            raise RunConfigError(
                 f"objective {self.objective!r} prefers a refusal answer to the forget answer, "
                 f"but the {self.scenario} scenario's forget clients hold plain text"
             )
         if requirements.needs_retain and self.local_retain_samples < 1:
-            raise ValueError(
+            raise RunConfigError(
                 f"objective {self.objective!r} needs retain data on the forget clients: set "
                 "local-retain-samples >= 1"
             )
-        if self.lora_layers != "auto":
-            parse_layers(self.lora_layers)
-        if self.finetune not in FINETUNE_MODES:
-            raise ValueError(f"finetune must be one of {FINETUNE_MODES}, got {self.finetune!r}")
-        if self.finetune == "full" and self.load_in_4bit:
-            raise ValueError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
-        if self.strategy == "dp2u":
-            self._validate_dp2u()
-        elif self.dp2u_forget_request:
-            raise ValueError(
-                "dp2u-forget-request needs strategy='dp2u' (the other strategies forget the "
-                "scenario's forget-percent split)"
-            )
-        if self.strategy == "mpu":
-            if self.mpu_mode not in ("mpu", "clean", "noised"):
-                raise ValueError(f"mpu-mode must be mpu, clean or noised, got {self.mpu_mode!r}")
-            if self.mpu_mode == "mpu" and self.mpu_copies < 2:
-                raise ValueError(f"mpu-copies must be >= 2, got {self.mpu_copies}")
-            if self.mpu_merge == "mpu":
-                raise ValueError("mpu-merge names the merge MPU wraps; it cannot be 'mpu'")
-            if self.mpu_sigma_source not in MPU_SIGMA_SOURCES:
-                raise ValueError(
-                    f"mpu-sigma-source must be one of {MPU_SIGMA_SOURCES}, "
-                    f"got {self.mpu_sigma_source!r}"
-                )
-            if (
-                self.mpu_sigma_source == "task-vector"
-                and self.model_path
-                and not (self.mpu_pretrained_path)
-            ):
-                raise ValueError(
-                    "mpu-sigma-source='task-vector' with model-path needs mpu-pretrained-path "
-                    "(the checkpoint the model was fine-tuned from)"
-                )
-        if not 0 < self.forget_percent < 100:
-            raise ValueError(f"forget-percent must be in (0, 100), got {self.forget_percent}")
-        for name in (
-            "num_rounds",
-            "forget_steps",
-            "retain_steps",
-            "batch_size",
-            "lora_rank",
-            "fisher_batches",
-            "num_forget_clients",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
-        if self.gamma <= 0:
-            raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if self.epsilon <= 0:
-            raise ValueError(
-                f"epsilon must be > 0 (inf disables the projection), got {self.epsilon}"
-            )
-        if self.retain_layout not in RETAIN_LAYOUTS:
-            raise ValueError(
-                f"retain-layout must be one of {RETAIN_LAYOUTS}, got {self.retain_layout!r}"
-            )
-        if not 0 < self.alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {self.alpha}")
-        self._validate_bad_client_keys()
 
-    def _validate_bad_client_keys(self) -> None:
-        """``min-replies``, ``max-upload-mb``, ``robust-norm-bound``, ``fisher-cap``."""
-        if not 0 <= self.min_replies <= self.num_clients:
-            raise ValueError(
-                f"min-replies must be in [0, {self.num_clients}] (the run's clients), "
-                f"got {self.min_replies}"
+    def _validate_merge(self) -> None:
+        """MPU's copies and σ reference; the merge callable with this run's parameters."""
+        if self.strategy == "mpu" and self.mpu_mode == "mpu" and self.mpu_copies < 2:
+            raise RunConfigError(
+                f"run-config key 'mpu-copies' = {self.mpu_copies}: mpu-mode='mpu' needs >= 2 "
+                "(zero-sum noise over the copies)"
             )
-        if not 0 <= self.max_upload_mb < math.inf:
-            raise ValueError(f"max-upload-mb must be >= 0 and finite, got {self.max_upload_mb}")
-        for name in ("robust_norm_bound", "fisher_cap"):
-            value = getattr(self, name)
-            if not (value == 0 or 1 <= value < math.inf):
-                raise ValueError(
-                    f"{name.replace('_', '-')} must be 0 (off) or a finite number >= 1, got {value}"
-                )
+        if (
+            self.strategy == "mpu"
+            and self.mpu_sigma_source == "task-vector"
+            and self.model_path
+            and not self.mpu_pretrained_path
+        ):
+            raise RunConfigError(
+                "mpu-sigma-source='task-vector' with model-path needs mpu-pretrained-path "
+                "(the checkpoint the model was fine-tuned from)"
+            )
+        if self.strategy == "dp2u":
+            return
+        key, merge = (
+            ("mpu-merge", self.mpu_merge) if self.strategy == "mpu" else ("strategy", self.strategy)
+        )
+        try:
+            check_merge_call(resolve_merge(merge), self.merge_parameters())
+        except ValueError as err:
+            raise RunConfigError(f"run-config key {key!r} = {merge!r}: {err}") from err
+
+    def _validate_clients(self) -> None:
+        """``min-replies`` within the run's clients; a WMDP forget client per forget domain."""
+        if self.min_replies > self.num_clients:
+            raise RunConfigError(
+                f"run-config key 'min-replies' = {self.min_replies}: must be in "
+                f"[0, {self.num_clients}] (the run's clients)"
+            )
+        domains = self._forget_domain_list()
+        if self.scenario == "wmdp" and self.num_forget_clients < len(domains):
+            raise RunConfigError(
+                f"run-config key 'num-forget-clients' = {self.num_forget_clients}: fewer than "
+                f"the {len(domains)} forget domains {self.forget_domains!r}"
+            )
+
+    def _forget_domain_list(self) -> list[str]:
+        return [d.strip() for d in self.forget_domains.split(",") if d.strip()]
 
     def substrate_config(self) -> SubstrateConfig:
         """The built-in substrate this run uses (its hash names the cache folder)."""
@@ -380,29 +354,16 @@ class RunSettings:
         return params
 
     def _validate_dp2u(self) -> None:
-        if self.dp2u_method not in DP2U_METHODS:
-            raise ValueError(f"dp2u-method must be one of {DP2U_METHODS}, got {self.dp2u_method!r}")
+        """DP2U runs on TOFU; the forget request parses (its names and indices are checked
+        against the data in the pipeline)."""
         if self.scenario != "tofu":
-            raise ValueError(f"strategy 'dp2u' runs on the tofu scenario, not {self.scenario!r}")
-        if not 0 < self.dp2u_epsilon < math.inf:
-            raise ValueError(f"dp2u-epsilon must be positive and finite, got {self.dp2u_epsilon}")
-        if not 0 < self.dp2u_delta < 1:
-            raise ValueError(f"dp2u-delta must be in (0, 1), got {self.dp2u_delta}")
-        for name in (
-            "dp2u_clients",
-            "dp2u_dp_rounds",
-            "dp2u_finetune_rounds",
-            "dp2u_retrain_rounds",
-            "dp2u_local_epochs",
-            "dp2u_batch_size",
-            "dp2u_dp_batch_size",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be >= 1")
-        for name in ("dp2u_clip", "dp2u_dp_lr", "dp2u_lr"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name.replace('_', '-')} must be > 0")
-        self.forget_request()  # syntax now; names and indices against the data in the pipeline
+            raise RunConfigError(
+                f"strategy 'dp2u' runs on the tofu scenario, not {self.scenario!r}"
+            )
+        try:
+            self.forget_request()
+        except ValueError as err:
+            raise RunConfigError(f"run-config key 'dp2u-forget-request': {err}") from err
 
     def forget_request(self) -> list[ForgetRequest]:
         """The parsed ``dp2u-forget-request`` (inline JSON or a JSON file); [] when unset."""
@@ -444,3 +405,14 @@ class RunSettings:
         if out["mpu_secret"]:
             out["mpu_secret"] = ""  # the server secret is never written to results
         return {k.replace("_", "-"): (str(v) if v == math.inf else v) for k, v in out.items()}
+
+
+def _typed_value(key: str, raw: Any, kind: type) -> Any:
+    """``raw`` as a ``kind`` value: ints widen to float, "inf" is infinity for a float key."""
+    if kind is float and isinstance(raw, str) and raw.strip().lower() in ("inf", "infinity"):
+        return math.inf
+    if kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
+        return float(raw)
+    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
+        return raw
+    raise RunConfigError(f"run-config key {key!r} must be {kind.__name__}, got {raw!r}")

@@ -41,7 +41,7 @@ def test_builtin_import_path_and_entry_point(plugin_path):
 
 
 def test_unknown_names_are_clear_errors(plugin_path):
-    with pytest.raises(ValueError, match="unknown strategy 'nope'.*firm.*plug-ins: half"):
+    with pytest.raises(ValueError, match="unknown merge 'nope'.*firm.*plug-ins: half"):
         resolve_merge("nope")
     with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
         resolve_merge("no_such_module:f")

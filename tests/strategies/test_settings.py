@@ -2,11 +2,13 @@
 
 import math
 import tomllib
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
 from strategies.settings import RunSettings
+from strategies.settings_rules import RULES, RunConfigError
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -23,13 +25,13 @@ def test_pyproject_run_config_matches_settings_defaults():
 def test_overrides_and_errors():
     s = RunSettings.from_run_config({"gamma": 2, "epsilon": 1e-4, "strategy": "firm"})
     assert s.gamma == 2.0 and isinstance(s.gamma, float) and s.epsilon == 1e-4
-    with pytest.raises(KeyError, match="unknown run-config key 'gama'"):
+    with pytest.raises(RunConfigError, match="unknown run-config key 'gama'"):
         RunSettings.from_run_config({"gama": 1.0})
-    with pytest.raises(TypeError, match="'num-authors' must be int"):
+    with pytest.raises(RunConfigError, match="'num-authors' must be int"):
         RunSettings.from_run_config({"num-authors": "many"})
     with pytest.raises(ValueError, match="forget-percent"):
         RunSettings.from_run_config({"forget-percent": 150.0})
-    with pytest.raises(ValueError, match="epsilon must be > 0"):
+    with pytest.raises(ValueError, match="'epsilon' = 0.0"):
         RunSettings.from_run_config({"epsilon": 0.0})
 
 
@@ -70,8 +72,8 @@ def test_layer_defaults_follow_the_model_depth():
         ({"objective": "dpo", "scenario": "wmdp"}, "plain text"),
         ({"objective": "idk", "scenario": "muse"}, "plain text"),
         ({"objective": "graddiff", "local-retain-samples": 0}, "local-retain-samples"),
-        ({"objective": "nope"}, "objective 'nope' is unknown"),
-        ({"scenario": "nope"}, "scenario 'nope' is not available"),
+        ({"objective": "nope"}, "'objective' = 'nope': must be one of dpo, ga"),
+        ({"scenario": "nope"}, "'scenario' = 'nope': must be one of muse, tofu, wmdp"),
         ({"dp2u-forget-request": '{"0": {"records": [1]}}'}, "needs strategy='dp2u'"),
     ],
 )
@@ -94,3 +96,87 @@ def test_dp2u_forget_request_inline_or_from_a_file(tmp_path):
         RunSettings.from_run_config({"strategy": "dp2u", "dp2u-forget-request": "nope.json"})
     with pytest.raises(ValueError, match="not valid JSON"):
         RunSettings.from_run_config({"strategy": "dp2u", "dp2u-forget-request": "{1: 2}"})
+
+
+# --- every key checked up front (issue 13): names, ranges, finiteness -----------------------
+
+FLOAT_KEYS = [f.name.replace("_", "-") for f in fields(RunSettings) if f.type == "float"]
+INF_MEANINGFUL = {"epsilon"}  # FIRM's retention budget: inf = no projection
+
+
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"strategy": "nope"}, r"'strategy' = 'nope'.*unknown merge.*firm"),
+        ({"strategy": "no_such_module_x:merge"}, r"No module named 'no_such_module_x'"),
+        ({"strategy": "mpu", "mpu-merge": "nope"}, r"'mpu-merge' = 'nope'.*unknown merge"),
+        ({"mpu-merge": "dp2u"}, r"'mpu-merge' = 'dp2u'.*a merge function"),
+        ({"solver": "fast"}, r"'solver' = 'fast'.*one of exact, increase-only"),
+        ({"ties-k": 0.0}, r"'ties-k' = 0.0.*in \(0, 1\]"),
+        ({"ties-k": 1.5}, r"'ties-k' = 1.5.*in \(0, 1\]"),
+        ({"fulm-k": math.nan}, r"'fulm-k' = nan.*in \(0, 1\]"),
+        ({"fulm-threshold": 2.0}, r"'fulm-threshold' = 2.0.*in \[-1, 1\]"),
+        ({"mpu-kappa": -0.5}, r"'mpu-kappa' = -0.5.*>= 0"),
+        ({"mpu-kappa": math.inf}, r"'mpu-kappa' = inf.*finite"),
+        ({"mpu-server-lr": 0.0}, r"'mpu-server-lr' = 0.0.*> 0"),
+        ({"gamma": math.nan}, r"'gamma' = nan.*finite number > 0"),
+        ({"gamma": "inf"}, r"'gamma' = inf.*finite number > 0"),
+        ({"mpu-mode": "loud"}, r"'mpu-mode' = 'loud'.*one of clean, mpu, noised"),
+        ({"dp2u-method": "dp2u-sdg"}, r"'dp2u-method'.*did you mean 'dp2u-sgd'"),
+        ({"objective": "npo2"}, r"'objective' = 'npo2'.*did you mean 'npo'"),
+        ({"num-rounds": 0}, r"'num-rounds' = 0.*integer >= 1"),
+        ({"rmu-layer": -2}, r"'rmu-layer' = -2.*>= 0, or -1"),
+        ({"robust-norm-bound": 0.5}, r"'robust-norm-bound' = 0.5.*>= 1, or 0 \(off\)"),
+        ({"scenario": "wmdp", "forget-domains": "bio,physics"}, r"forget-domains.*'physics'"),
+    ],
+)
+def test_bad_values_refused_by_from_run_config(config, message):
+    with pytest.raises(RunConfigError, match=message):
+        RunSettings.from_run_config(config)
+
+
+@pytest.mark.parametrize("key", FLOAT_KEYS)
+def test_every_float_key_refuses_nan_and_inf_unless_inf_is_meaningful(key):
+    with pytest.raises(RunConfigError, match=f"'{key}' = nan"):
+        RunSettings.from_run_config({key: math.nan})
+    if key in INF_MEANINGFUL:
+        assert getattr(RunSettings.from_run_config({key: "inf"}), key.replace("-", "_")) == math.inf
+    else:
+        with pytest.raises(RunConfigError, match=f"'{key}' = inf"):
+            RunSettings.from_run_config({key: math.inf})
+
+
+def test_every_numeric_key_has_a_rule():
+    numeric = {f.name for f in fields(RunSettings) if f.type in ("int", "float")}
+    assert numeric <= set(RULES), sorted(numeric - set(RULES))
+    assert set(RULES) <= {f.name for f in fields(RunSettings)}
+
+
+def test_unknown_keys_name_close_matches():
+    with pytest.raises(RunConfigError, match=r"unknown run-config key 'gama'.*'gamma'"):
+        RunSettings.from_run_config({"gama": 1.0})
+    with pytest.raises(RunConfigError, match=r"unknown run-config key 'zzz'.*keys are: alpha"):
+        RunSettings.from_run_config({"zzz": 1})
+
+
+PLUGINS = """
+def needs_beta(updates, *, beta):
+    return None
+
+def two_positionals(updates, other):
+    return None
+"""
+
+
+def test_plugin_merges_resolved_and_their_signature_checked_up_front(tmp_path, monkeypatch):
+    (tmp_path / "issue13_plugins.py").write_text(PLUGINS)
+    (tmp_path / "issue13_broken.py").write_text("raise RuntimeError('broken plug-in')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(RunConfigError, match=r"RuntimeError: broken plug-in"):
+        RunSettings.from_run_config({"strategy": "issue13_broken:merge"})
+    with pytest.raises(RunConfigError, match=r"'issue13_plugins:needs_beta'.*'beta'"):
+        RunSettings.from_run_config({"strategy": "issue13_plugins:needs_beta"})
+    with pytest.raises(RunConfigError, match=r"'issue13_plugins:two_positionals'.*'other'"):
+        RunSettings.from_run_config(
+            {"strategy": "mpu", "mpu-merge": "issue13_plugins:two_positionals"}
+        )
