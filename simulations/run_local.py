@@ -10,9 +10,10 @@ prints the before/after table and stops the SuperLink it started — also on fai
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import shlex
+import re
 import signal
 import socket
 import subprocess
@@ -21,22 +22,56 @@ import tempfile
 import time
 import tomllib
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from strategies.settings import RunSettings
+from strategies.settings_rules import RunConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
 
 
+# Flower's own pattern for the pairs of --run-config / --federation-config
+# (flwr.common.config.parse_config_args); splitting the same way keeps what is checked here
+# exactly what Flower reads.
+CONFIG_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
+FOLDER_KEYS = ("output-dir", "cache-dir")  # run-config keys that act like the runner's options
+
+
+def config_pairs(text: str) -> list[tuple[str, str]]:
+    """``"key=value key2='text'"`` as ``(key, value text)`` pairs, split as Flower splits it.
+
+    Text that is not a pair and a key given twice (Flower's "invalid format") are errors.
+    """
+    pairs: list[tuple[str, str]] = []
+    end = 0
+    for match in CONFIG_PAIR.finditer(text):
+        _refuse_stray_text(text[end : match.start()])
+        key, value = match.groups()
+        if any(key == seen for seen, _ in pairs):
+            raise ValueError(f"config key {key!r} is given twice in {text!r}")
+        pairs.append((key, value))
+        end = match.end()
+    _refuse_stray_text(text[end:])
+    return pairs
+
+
+def _refuse_stray_text(text: str) -> None:
+    if text.strip():
+        raise ValueError(f"config override {text.strip()!r} is not key=value")
+
+
 def parse_config_pairs(text: str) -> dict:
     """Parse Flower's ``"key=value key2='text'"`` override syntax (values are TOML)."""
     out: dict = {}
-    for pair in shlex.split(text, posix=False):
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise ValueError(f"config override {pair!r} is not key=value")
-        out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+    for key, value in config_pairs(text):
+        try:
+            out[key] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as err:
+            raise ValueError(
+                f"config override {key}={value}: not a TOML bool, number or quoted string ({err})"
+            ) from None
     return out
 
 
@@ -157,6 +192,89 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     print(f"substrate ready: {folder.name} ({knows})", flush=True)
 
 
+@dataclass(frozen=True)
+class LocalRun:
+    """One local run, decided and checked before anything is built or started."""
+
+    settings: RunSettings  # every key checked, output-dir and cache-dir filled in
+    output_dir: Path
+    cache_dir: Path
+    flower_run_config: str  # ``flwr run --run-config``
+    flower_federation_config: str  # ``flwr run --federation-config``
+
+
+def plan_run(
+    run_config: str = "",
+    federation_config: str = "",
+    output_dir: Path | None = None,
+    cache_dir: Path | None = None,
+) -> LocalRun:
+    """Parse and check both configs as Flower and the ServerApp will, before any work.
+
+    ``output-dir`` / ``cache-dir`` in ``run_config`` act exactly like the ``output_dir`` /
+    ``cache_dir`` arguments (a relative path is taken from the working folder); naming a
+    folder both ways, differently, is an error. Raises ``ValueError`` (``RunConfigError`` for
+    a bad run-config key: unknown, mistyped or out of range).
+    """
+    pairs = config_pairs(run_config)
+    user = parse_config_pairs(run_config)
+    output_dir = _one_folder("output-dir", output_dir, user.pop("output-dir", None))
+    cache_dir = _one_folder("cache-dir", cache_dir, user.pop("cache-dir", None))
+    settings = run_settings(user)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
+    cache_dir = (cache_dir or default_cache_dir()).resolve()
+    settings = dataclasses.replace(settings, output_dir=str(output_dir), cache_dir=str(cache_dir))
+    folders = [f"output-dir={_quoted(output_dir)}", f"cache-dir={_quoted(cache_dir)}"]
+    kept = [f"{key}={value}" for key, value in pairs if key not in FOLDER_KEYS]
+    return LocalRun(
+        settings=settings,
+        output_dir=output_dir,
+        cache_dir=cache_dir,
+        flower_run_config=" ".join(folders + kept),
+        flower_federation_config=federation_overrides(settings.num_clients, federation_config),
+    )
+
+
+def _one_folder(key: str, option: Path | None, value: object) -> Path | None:
+    """The folder of ``key``: the runner's option or the run config's value (not both)."""
+    if value is None or value == "":
+        return option
+    if not isinstance(value, str):
+        raise RunConfigError(f"run-config key {key!r} must be str, got {value!r}")
+    folder = Path(value).expanduser()
+    if option is not None and Path(option).resolve() != folder.resolve():
+        raise RunConfigError(
+            f"{key} is given twice: {str(option)!r} as the option and {value!r} in the run config"
+        )
+    return folder
+
+
+def _quoted(path: Path) -> str:
+    """``path`` as a TOML string Flower's pair pattern keeps whole."""
+    text = str(path)
+    if "'" not in text:
+        return f"'{text}'"
+    if '"' not in text and "\\" not in text:
+        return f'"{text}"'
+    raise ValueError(f"the folder {text!r} holds both quote characters; Flower cannot pass it")
+
+
+def federation_overrides(num_clients: int, federation_config: str) -> str:
+    """``--federation-config``: one SuperNode per client and one CPU each, unless
+    ``federation_config`` says otherwise; its keys are checked with Flower's own parser."""
+    from flwr.supercore.utils import simulation_config_from_json
+
+    values = {"num-supernodes": str(num_clients), "client-resources-num-cpus": "1"}
+    values.update(config_pairs(federation_config))
+    parsed = parse_config_pairs(" ".join(f"{k}={v}" for k, v in values.items()))
+    try:
+        simulation_config_from_json({k.replace("-", "_"): v for k, v in parsed.items()})
+    except (ValueError, TypeError) as err:
+        raise ValueError(f"--federation-config {federation_config!r}: {err}") from None
+    return " ".join(f"{k}={v}" for k, v in values.items())
+
+
 def run(
     run_config: str = "",
     federation_config: str = "",
@@ -164,34 +282,27 @@ def run(
     flwr_home: Path | None = None,
     cache_dir: Path | None = None,
 ) -> Path:
-    """Run one scenario and return the path of its ``results.json``."""
-    user = parse_config_pairs(run_config) if run_config else {}
-    settings = run_settings(user)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
+    """Run one scenario and return the path of its ``results.json``.
+
+    Both configs are checked first (:func:`plan_run`): a bad key fails before the substrate
+    is built or the SuperLink started.
+    """
+    plan = plan_run(run_config, federation_config, output_dir, cache_dir)
     if flwr_home is None:  # one Flower home per run: concurrent runs never share a config
         (REPO_ROOT / ".flwr_home").mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
         flwr_home = Path(tempfile.mkdtemp(prefix=f"{stamp}-", dir=REPO_ROOT / ".flwr_home"))
     flwr_home = flwr_home.resolve()
-    if settings.cache_dir:
-        cache_dir = Path(settings.cache_dir)
-    cache_dir = cache_dir or default_cache_dir()
     flwr_home.mkdir(parents=True, exist_ok=True)
     env = flower_env(flwr_home)
-    env["FEDUNLEARN_CACHE_DIR"] = str(cache_dir.resolve())
-    prepare_substrate(settings, cache_dir)
+    env["FEDUNLEARN_CACHE_DIR"] = str(plan.cache_dir)
+    prepare_substrate(plan.settings, plan.cache_dir)
     process, port = start_superlink(flwr_home, env)
     try:
         (flwr_home / "config.toml").write_text(
             '[superlink]\ndefault = "fedunlearn-sim"\n\n'
             f'[superlink.fedunlearn-sim]\naddress = "127.0.0.1:{port}"\ninsecure = true\n'
         )
-        overrides = [f"output-dir='{output_dir}'", f"cache-dir='{cache_dir.resolve()}'"]
-        if run_config:
-            overrides.append(run_config)
-        federation = f"num-supernodes={settings.num_clients} client-resources-num-cpus=1"
-        if federation_config:
-            federation += f" {federation_config}"
         command = [
             str(BIN_DIR / "flwr"),
             "run",
@@ -199,12 +310,12 @@ def run(
             "fedunlearn-sim",
             "--stream",
             "--run-config",
-            " ".join(overrides),
+            plan.flower_run_config,
             "--federation-config",
-            federation,
+            plan.flower_federation_config,
         ]
         completed = subprocess.run(command, env=env, cwd=REPO_ROOT, check=False)
-        results = output_dir / "results.json"
+        results = plan.output_dir / "results.json"
         if completed.returncode != 0 or not results.is_file():
             raise RuntimeError(
                 f"the Flower run did not produce {results} (flwr exit code "
@@ -227,11 +338,24 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir",
         type=Path,
         default=None,
-        help="where results.json goes (default outputs/<scenario>-<strategy>-<time>)",
+        help="where results.json goes (default outputs/<scenario>-<strategy>-<time>); "
+        "the same as output-dir in --run-config",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="substrate cache (default $FEDUNLEARN_CACHE_DIR or .cache/); "
+        "the same as cache-dir in --run-config",
     )
     args = parser.parse_args(argv)
     try:
-        results = run(args.run_config, args.federation_config, args.output_dir)
+        results = run(
+            args.run_config, args.federation_config, args.output_dir, cache_dir=args.cache_dir
+        )
+    except ValueError as err:  # a bad key or value: refused before anything started
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     except RuntimeError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
