@@ -4,7 +4,8 @@ Pure torch (no Flower). Per round r and forget client the server
 
 1. derives seeds from its secret (:mod:`.keys`),
 2. draws zero-sum layer noise ε⁰_k with σ_ℓ = κ·RMS(v_ℓ) and scales α_k (:mod:`.noise`),
-3. publishes θ_pub,k = T_k(θ + α_k ε⁰_k) with a secret function-preserving T_k (:mod:`.reparam`),
+3. publishes θ_pub,k = T_k(θ + α_k ε⁰_k) with a secret function-preserving T_k (:mod:`.reparam`;
+   which architectures T supports, partially or not at all: :mod:`.support`),
 4. maps each returned update back, Δ̂_k = T_k⁻¹(Δ_k), and aggregates harmonically,
    Δ̄ = S₁/S₀ (:mod:`.aggregate`).
 """
@@ -32,14 +33,23 @@ from .reparam import (
     invert_transform,
     parse_target,
 )
+from .support import (
+    VERIFIED_MODEL_TYPES,
+    ReparamPlan,
+    UnsupportedArchitectureError,
+    plan_reparam,
+)
 
 __all__ = [
     "DEFAULT_SECRET_ENV_VAR",
     "LAYER_PATTERN",
+    "VERIFIED_MODEL_TYPES",
     "HarmonicAggregator",
     "LayerTransform",
     "ReparamDims",
+    "ReparamPlan",
     "ServerSecret",
+    "UnsupportedArchitectureError",
     "alphas",
     "apply_transform",
     "derive_seed",
@@ -54,6 +64,7 @@ __all__ = [
     "noisy_copy",
     "parse_target",
     "plain_mean",
+    "plan_reparam",
     "server_secret",
     "sigma_per_tensor",
     "zero_sum_noise",

@@ -1,8 +1,9 @@
 """Secret, invertible, function-preserving reparameterisation T_k of MPU (SPEC §3 step 2).
 
-For HF Llama-style decoders (Llama, Mistral, Qwen2: ``model.layers.<i>.self_attn.{q,k,v,o}_proj``
-and ``mlp.{gate,up,down}_proj``, grouped-query attention, optional q/k/v/o and MLP biases) each
-layer ℓ of copy k gets a :class:`LayerTransform` made of
+For HF Llama-style decoders (``model.layers.<i>.self_attn.{q,k,v,o}_proj`` and
+``mlp.{gate,up,down}_proj``, grouped-query attention, optional q/k/v/o and MLP biases; which
+architectures qualify is decided by :func:`.support.plan_reparam`) each layer ℓ of copy k gets a
+:class:`LayerTransform` made of
 
 * an MLP channel permutation P (intermediate_size): rows of gate_proj/up_proj (and their
   biases) are permuted, columns of down_proj likewise — SwiGLU is element-wise, so the output
@@ -11,18 +12,22 @@ layer ℓ of copy k gets a :class:`LayerTransform` made of
   convention RoPE rotates the plane (i, i + head_dim/2) — NOT the adjacent pair (2i, 2i+1) — so
   a rotation R_g by φ_g,i in each such plane commutes with RoPE at every position. R_g is applied
   to the k_proj rows of head g and to the q_proj rows of every query head using g (biases too),
-  leaving q·k unchanged;
+  leaving q·k unchanged. With q/k RMSNorm (``ReparamDims.qk_norm``) the angles are 0 or π only
+  (a sign flip of the plane), the only rotations that commute with the norm's channel weights;
 * per KV head g an orthogonal matrix Q_g (QR of a Gaussian with sign fix, i.e. Haar): v_proj
   rows of head g (and bias) become Q_g·W_v,g, and the o_proj columns of every query head using g
   become W_o,h·Q_gᵀ, so o_proj undoes the basis change;
 * optionally a permutation π of the KV groups: new KV slot j holds old KV head π(j) together
   with its query heads and their o_proj columns (query head h uses KV head h // (H_Q/H_KV), as in
-  HF's ``repeat_kv``).
+  HF's ``repeat_kv``). A q/k norm over the whole projection (Olmo2) has its weight permuted
+  alike; a per-head one (Qwen3, Gemma3) is shared by all heads and stays as it is.
 
 T acts on each tensor separately and linearly (no offsets), so T⁻¹ of a weight update is the
 inverse map on that tensor (:func:`invert_delta`), and for LoRA it moves onto the factors
-(:func:`invert_lora`). Norms, embeddings and the LM head are left untouched: the hidden basis
-never changes. All matrix algebra is done in float64 and cast back to the tensor's dtype.
+(:func:`invert_lora`). Hidden-space norms, embeddings and the LM head are left untouched: the
+hidden basis never changes. Any other tensor of a transformed decoder layer (a fused
+``qkv_proj``, an unknown norm) is refused with an error naming it, never passed through.
+All matrix algebra is done in float64 and cast back to the tensor's dtype.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import torch
 from torch import Tensor
 
 from .keys import derive_seed
+from .support import HIDDEN_NORMS, ReparamDims
 
 __all__ = [
     "LayerTransform",
@@ -53,48 +59,11 @@ __all__ = [
 _PROJ_PATTERN = re.compile(
     r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj(?:\.|$)"
 )
+_LAYER_TENSOR = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
+_QK_NORM_PATTERN = re.compile(r"^self_attn\.(q|k)_norm\.weight$")
+_HIDDEN_NORM_PATTERN = re.compile(rf"^(?:{'|'.join(HIDDEN_NORMS)})\.(?:weight|bias)$")
 _ROW_KINDS = frozenset({"q", "k", "v", "gate", "up"})  # T acts on the output (row) dimension
 _COL_KINDS = frozenset({"o", "down"})  # T acts on the input (column) dimension
-
-
-@dataclass(frozen=True)
-class ReparamDims:
-    """The shapes T needs: H_Q, H_KV, head_dim d_h and the MLP width."""
-
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-
-    def __post_init__(self) -> None:
-        for field in ("num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, field) < 1:
-                raise ValueError(f"{field} must be >= 1")
-        if self.intermediate_size < 1:
-            raise ValueError("intermediate_size must be >= 1")
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"RoPE needs an even head_dim, got {self.head_dim}")
-
-    @property
-    def group_size(self) -> int:
-        """Query heads per KV head (n_rep)."""
-        return self.num_attention_heads // self.num_key_value_heads
-
-    @classmethod
-    def from_config(cls, config: Any) -> ReparamDims:
-        """Read the dims from an HF ``LlamaConfig``/``MistralConfig``/``Qwen2Config``."""
-        heads = int(config.num_attention_heads)
-        kv = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        factor = getattr(config, "partial_rotary_factor", 1.0) or 1.0
-        if factor != 1.0:
-            raise ValueError("partial rotary embeddings are not supported by this reparam")
-        return cls(heads, int(kv), int(head_dim), int(config.intermediate_size))
 
 
 def _as_dims(config_dims: ReparamDims | Any) -> ReparamDims:
@@ -133,6 +102,10 @@ class LayerTransform:
             raise ValueError("vo_orth has the wrong shape")
         if self.group_perm is not None and tuple(self.group_perm.shape) != (d.num_key_value_heads,):
             raise ValueError("group_perm has the wrong shape")
+        if d.sign_flips_only and not bool(
+            ((self.rope_angles == 0) | (self.rope_angles == math.pi)).all()
+        ):
+            raise ValueError(f"q/k norm ({d.qk_norm}): rope_angles must all be 0 or π")
 
     def __repr__(self) -> str:
         return (
@@ -145,7 +118,11 @@ class LayerTransform:
     def rope_rotations(self) -> Tensor:
         """R_g (float64, H_KV × d_h × d_h): rotation by φ_g,i in every plane (i, i + d_h/2)."""
         h_kv, half = self.rope_angles.shape
-        cos, sin = torch.cos(self.rope_angles), torch.sin(self.rope_angles)
+        if self.dims.sign_flips_only:  # exact ±1, no 1e-16 leak of sin(π) into the other axis
+            cos = torch.where(self.rope_angles == 0, 1.0, -1.0).to(torch.float64)
+            sin = torch.zeros_like(self.rope_angles)
+        else:
+            cos, sin = torch.cos(self.rope_angles), torch.sin(self.rope_angles)
         rot = torch.zeros(h_kv, 2 * half, 2 * half, dtype=torch.float64)
         idx = torch.arange(half)
         rot[:, idx, idx] = cos
@@ -160,15 +137,18 @@ def draw_transform(
 ) -> LayerTransform:
     """Draw one layer's T from ``seed`` (derive it per (round, copy, layer) with ``derive_seed``).
 
-    P and π are uniform permutations, φ_g,i ~ U[0, 2π), Q_g is Haar-orthogonal (QR of a
-    Gaussian matrix with the signs of diag(R) folded into Q). ``config_dims`` is a
-    :class:`ReparamDims` or an HF config.
+    P and π are uniform permutations, φ_g,i ~ U[0, 2π) (uniform on {0, π} under q/k norms),
+    Q_g is Haar-orthogonal (QR of a Gaussian matrix with the signs of diag(R) folded into Q).
+    ``config_dims`` is a :class:`ReparamDims` or an HF config (checked by ``plan_reparam``).
     """
     dims = _as_dims(config_dims)
     gen = torch.Generator().manual_seed(int(seed))
     h_kv, d = dims.num_key_value_heads, dims.head_dim
     mlp_perm = torch.randperm(dims.intermediate_size, generator=gen)
-    angles = torch.rand(h_kv, d // 2, generator=gen, dtype=torch.float64) * (2 * math.pi)
+    if dims.sign_flips_only:
+        angles = torch.randint(0, 2, (h_kv, d // 2), generator=gen).to(torch.float64) * math.pi
+    else:
+        angles = torch.rand(h_kv, d // 2, generator=gen, dtype=torch.float64) * (2 * math.pi)
     gauss = torch.randn(h_kv, d, d, generator=gen, dtype=torch.float64)
     q, r = torch.linalg.qr(gauss)
     signs = torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))
@@ -289,7 +269,7 @@ def _map_tensor(
     """T (or T⁻¹) on one state-dict tensor; None when T leaves it unchanged."""
     target = parse_target(name)
     if target is None:
-        return None
+        return _map_other(name, x, transforms, inverse)
     layer, kind = target
     tf = transforms.get(layer)
     if tf is None:
@@ -302,6 +282,45 @@ def _map_tensor(
     if x.dim() < 2:
         raise ValueError(f"{name}: expected a weight matrix, got shape {tuple(x.shape)}")
     return _cols(x, kind, tf, inverse, name, square)
+
+
+def _map_other(
+    name: str, x: Tensor, transforms: Mapping[int, LayerTransform], inverse: bool
+) -> Tensor | None:
+    """A tensor that is not a projection: q/k norms, hidden-space norms, or a refusal."""
+    match = _LAYER_TENSOR.search(name)
+    if match is None or int(match.group(1)) not in transforms:
+        return None  # embeddings, final norm, LM head, layers T does not touch
+    tf, rel = transforms[int(match.group(1))], match.group(2)
+    if _HIDDEN_NORM_PATTERN.match(rel):
+        return None
+    norm = _QK_NORM_PATTERN.match(rel)
+    if norm is None:
+        raise ValueError(
+            f"{name}: the reparameterisation does not know this decoder-layer tensor (fused or "
+            "unknown module); refusing to publish a copy that would compute something else"
+        )
+    return _qk_norm(x, norm.group(1), tf, inverse, name)
+
+
+def _qk_norm(x: Tensor, kind: str, tf: LayerTransform, inverse: bool, name: str) -> Tensor | None:
+    """q/k RMSNorm weight: unchanged per head; permuted with the KV groups per projection."""
+    d = tf.dims
+    if d.qk_norm == "none":
+        raise ValueError(
+            f"{name}: a q/k norm, but these transforms were drawn for a model without one "
+            "(continuous RoPE-plane rotations do not commute with it)"
+        )
+    if d.qk_norm == "per-head":
+        _check_dim(name, x.shape[0], d.head_dim, "per-head norm weight")
+        return None
+    heads = d.num_key_value_heads * (d.group_size if kind == "q" else 1)
+    _check_dim(name, x.shape[0], heads * d.head_dim, "projection norm weight")
+    if tf.group_perm is None:
+        return None
+    perm = _inverse_perm(tf.group_perm) if inverse else tf.group_perm
+    y = x.reshape(d.num_key_value_heads, -1)[perm.to(x.device)]
+    return y.reshape(x.shape)
 
 
 def _map_state(
