@@ -15,16 +15,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
+from logging import WARNING
 from typing import Any
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.common.logger import log
 
 from clients.messages import decode_client_reply
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.mpu import (
     HarmonicAggregator,
-    ReparamDims,
     alphas,
     apply_transform,
     derive_seed,
@@ -34,6 +35,7 @@ from fedunlearn.mpu import (
     layer_groups,
     layer_sigmas,
     noisy_copy,
+    plan_reparam,
     sigma_per_tensor,
     zero_sum_noise,
 )
@@ -90,7 +92,14 @@ class MpuStrategy(MergeStrategy):
         self.kappa = kappa
         self.permute_groups = permute_groups
         self.sigma_reference = sigma_reference
-        self.dims = ReparamDims.from_config(model_config)
+        # refuses an architecture T would silently break (naming the module / config field)
+        # here, before any copy is built; clean / noised copies are not reparameterised
+        self.reparam = (
+            plan_reparam(model_config, permute_groups=permute_groups) if mode == "mpu" else None
+        )
+        for warning in self.reparam.warnings if self.reparam is not None else ():
+            log(WARNING, "MPU: %s", warning)
+        self.dims = self.reparam.dims if self.reparam is not None else None
         self.num_layers = int(model_config.num_hidden_layers)
         self._secret = secret
         self.alphas = alphas(self.copies)
@@ -114,6 +123,8 @@ class MpuStrategy(MergeStrategy):
             "sigma_per_layer": dict(self.sigma_per_layer),
             "server_seconds": dict(self.seconds),
             "bytes_to_client_last_round": dict(self.bytes_to_clients),
+            "reparam": self.reparam.describe() if self.reparam is not None else None,
+            "warnings": list(self.reparam.warnings) if self.reparam is not None else [],
         }
 
     def round_record(self) -> dict[str, Any]:
