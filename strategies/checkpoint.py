@@ -3,21 +3,30 @@
 ``RunCheckpoint`` keeps, in one folder (``<output-dir>/checkpoint/`` by default), only the
 last finished round:
 
+* ``fedunlearn-checkpoint.json`` (the marker): written first, into an empty or new folder; it
+  lists the files the checkpoint writes. A folder without it, or with other files than those
+  (and their temporary files), is not the project's: it is refused (``CheckpointError``
+  naming the path), never written to and never deleted;
 * ``weights.safetensors``: the global weights after that round (safetensors metadata holds
   the round and a random ``nonce`` that ties the file to its ``state.json``);
-* ``state.json``: the round, the nonce, the config fingerprint, the run config (without
-  secrets) and ``extra`` — what results.json needs about the finished rounds;
+* ``state.json``: the round, the nonce, the weights' sha256, the config fingerprint, the run
+  config (without secrets) and ``extra`` — what results.json needs about the finished rounds;
 * ``mpu-secret`` (MPU runs only, permissions 0600): the fresh server secret of a run whose
   ``mpu-secret`` was empty — so that a resumed run draws the same noise and
-  reparameterisations — or, when the secret was given (run config or
-  ``$FEDUNLEARN_MPU_SECRET``), only a keyed check value of it (never the secret itself).
-  The secret is never written to results.json or to the log.
+  reparameterisations — or, when the secret was given (``mpu-secret-file`` or
+  ``$FEDUNLEARN_MPU_SECRET``), only a keyed check value of it (never the secret itself); with
+  the sha256 of its contents. The secret is never written to results.json or to the log.
 
-Saving is atomic: both files are first written to temporary names and fsynced, then moved into
-place with ``os.replace`` (weights first, then ``state.json``). A crash before the weights move
-leaves the previous round's pair; a crash between the two moves leaves the new weights and the
-fsynced ``state.json.tmp`` of the same nonce, which ``load`` rolls forward. A loaded
-checkpoint is therefore always one finished round, never a mix of two.
+Saving is atomic: both files are first written to unique temporary names
+(``.<name>.tmp-<pid>-<random>``) and fsynced, then moved into place with ``os.replace``
+(weights first, then ``state.json``). A crash before the weights move leaves the previous
+round's pair; a crash between the two moves leaves the new weights and the fsynced temporary
+``state.json`` of the same nonce, which ``load`` rolls forward. A loaded checkpoint is
+therefore always one finished round, never a mix of two.
+
+A damaged checkpoint (``state.json`` unparsable, a file missing, weights whose sha256 differs
+from ``state.json``'s) raises ``CheckpointError`` naming the file; nothing is deleted.
+``clear`` (``resume=false``) removes only the files the marker lists.
 
 A checkpoint belongs to one run configuration: ``config_fingerprint`` hashes the run config
 minus the keys that cannot change the weights (``output-dir``, ``cache-dir``, the secret,
@@ -32,7 +41,6 @@ import hashlib
 import json
 import os
 import secrets
-import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -41,15 +49,35 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from fedunlearn.files import (
+    fsync_dir,
+    fsync_file,
+    sha256_file,
+    temp_path,
+    temp_target,
+    write_file_atomic,
+    write_new_file,
+)
 from fedunlearn.mpu import DEFAULT_SECRET_ENV_VAR, ServerSecret, derive_seed
 
 CHECKPOINT_DIR = "checkpoint"
+MARKER_FILE = "fedunlearn-checkpoint.json"
+MARKER_KIND = "fedunlearn run checkpoint"
 WEIGHTS_FILE = "weights.safetensors"
 STATE_FILE = "state.json"
 SECRET_FILE = "mpu-secret"
-FORMAT_VERSION = 1
+CHECKPOINT_FILES = (WEIGHTS_FILE, STATE_FILE, SECRET_FILE)
+FORMAT_VERSION = 2
 # run-config keys that cannot change the weights a round produces
-FINGERPRINT_EXCLUDED = ("output-dir", "cache-dir", "mpu-secret", "resume", "num-rounds")
+# (the secret file's path neither: a resume may read the same secret from elsewhere)
+FINGERPRINT_EXCLUDED = (
+    "output-dir",
+    "cache-dir",
+    "mpu-secret",
+    "mpu-secret-file",
+    "resume",
+    "num-rounds",
+)
 
 __all__ = [
     "CHECKPOINT_DIR",
@@ -61,7 +89,8 @@ __all__ = [
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint that must not be used (another config, another secret, broken files)."""
+    """A checkpoint that must not be used (another config, another secret, broken files, a
+    folder the project did not write)."""
 
 
 def model_structure(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -78,32 +107,6 @@ def config_fingerprint(config: Mapping[str, Any], model: Mapping[str, str] | Non
     """sha256 of the run config (minus ``FINGERPRINT_EXCLUDED``) and the model structure."""
     payload = {"config": _fingerprint_input(config), "model": dict(model or {})}
     return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new entry in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_file(path: Path) -> None:
-    """Flush ``path``'s contents to disk (after a writer that does not fsync, e.g. safetensors)."""
-    with open(path, "rb+") as handle:
-        os.fsync(handle.fileno())
-
-
-def _write_bytes(path: Path, data: bytes, mode: int = 0o644) -> None:
-    """Create ``path`` afresh with permissions ``mode``, write ``data`` and fsync it."""
-    path.unlink(missing_ok=True)  # a leftover of a crash may have other permissions
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "wb") as handle:
-        os.fchmod(handle.fileno(), mode)  # exactly ``mode``, whatever the umask
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
 
 
 class RunCheckpoint:
@@ -139,6 +142,71 @@ class RunCheckpoint:
     def secret_path(self) -> Path:
         return self.folder / SECRET_FILE
 
+    @property
+    def marker_path(self) -> Path:
+        return self.folder / MARKER_FILE
+
+    # ---- the folder ------------------------------------------------------------------------
+
+    def claim(self) -> None:
+        """Make ``folder`` this project's checkpoint folder, or check that it is one.
+
+        A missing or empty folder gets the marker. Raises ``CheckpointError`` (touching
+        nothing) for a folder without the marker that holds anything, and for a marked folder
+        that holds files the marker does not list."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not self.marker_path.is_file():
+            if any(self.folder.iterdir()):
+                raise CheckpointError(
+                    f"{self.folder} exists and is not a fedunlearn checkpoint folder (it has no "
+                    f"{MARKER_FILE}); it is never written to or deleted: move it away or choose "
+                    "another output-dir"
+                )
+            marker = {"kind": MARKER_KIND, "format": FORMAT_VERSION, "files": CHECKPOINT_FILES}
+            write_file_atomic(self.marker_path, json.dumps(marker, indent=1).encode())
+        listed = {MARKER_FILE, *self._listed_files()}
+        foreign = sorted(
+            p.name
+            for p in self.folder.iterdir()
+            if p.is_symlink()
+            or not p.is_file()
+            or (p.name not in listed and temp_target(p.name) not in listed)
+        )
+        if foreign:
+            raise CheckpointError(
+                f"{self.folder} holds files the checkpoint did not write ({', '.join(foreign)}); "
+                "they are never deleted: move them away or choose another output-dir"
+            )
+
+    def _listed_files(self) -> set[str]:
+        try:
+            marker = json.loads(self.marker_path.read_text())
+            return set(marker["files"]) & set(CHECKPOINT_FILES)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(
+                f"{self.marker_path} is unreadable ({type(err).__name__}); the folder is left "
+                "as it is: delete it by hand or choose another output-dir"
+            ) from None
+
+    def clear(self) -> None:
+        """Remove what this checkpoint wrote — the files its marker lists and their temporary
+        files — after ``claim`` (a fresh start; anything else in the folder is refused)."""
+        if not self.folder.exists():
+            return
+        self.claim()
+        listed = self._listed_files()
+        for path in self.folder.iterdir():
+            if path.name in listed or temp_target(path.name) in listed:
+                path.unlink()
+        fsync_dir(self.folder)
+
+    def _damaged(self, path: Path, problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"the checkpoint file {path} {problem}. Nothing was deleted; to start afresh set "
+            f"resume=false (removes only the checkpoint's own files in {self.folder}), or choose "
+            "another output-dir"
+        )
+
     # ---- rounds ----------------------------------------------------------------------------
 
     def save(
@@ -146,10 +214,10 @@ class RunCheckpoint:
     ) -> None:
         """Atomically replace the checkpoint by round ``server_round``'s weights and ``extra``
         (JSON-serialisable)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
+        if not self.marker_path.is_file():
+            self.claim()
         nonce = secrets.token_hex(16)
-        weights_tmp = self.folder / f"{WEIGHTS_FILE}.tmp"
-        state_tmp = self.folder / f"{STATE_FILE}.tmp"
+        weights_tmp, state_tmp = temp_path(self.weights_path), temp_path(self.state_path)
         tensors: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, t in state_dict.items():
@@ -164,50 +232,88 @@ class RunCheckpoint:
             "format": FORMAT_VERSION,
             "round": int(server_round),
             "nonce": nonce,
+            "weights_sha256": sha256_file(weights_tmp),
             "fingerprint": self.fingerprint,
             "config": self.config,
             "extra": extra,
         }
-        _write_bytes(state_tmp, json.dumps(record, indent=1, allow_nan=False).encode())
+        write_new_file(state_tmp, json.dumps(record, indent=1, allow_nan=False).encode())
         os.replace(weights_tmp, self.weights_path)
         fsync_dir(self.folder)
         os.replace(state_tmp, self.state_path)
         fsync_dir(self.folder)
 
     def _read_state(self, path: Path) -> dict[str, Any] | None:
+        """``path``'s record, None when the file does not exist; raises when it is damaged."""
         try:
             record = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return None
-        return record if isinstance(record, dict) and "nonce" in record else None
+        except (OSError, ValueError) as err:
+            raise self._damaged(path, f"is unreadable ({type(err).__name__}: {err})") from None
+        if not isinstance(record, dict) or not {"nonce", "round", "weights_sha256"} <= set(record):
+            raise self._damaged(path, "is not a checkpoint state (nonce, round, sha256 missing)")
+        return record
 
     def _weights_nonce(self) -> str | None:
+        if not self.weights_path.exists():
+            return None
         try:
             with safe_open(str(self.weights_path), framework="pt") as handle:
                 return (handle.metadata() or {}).get("nonce")
-        except Exception:  # noqa: BLE001 — missing or unreadable file: no usable weights
+        except Exception as err:  # noqa: BLE001 — safetensors raises its own error types
+            raise self._damaged(self.weights_path, f"is unreadable ({err})") from None
+
+    def _roll_forward(self, weights_nonce: str | None) -> None:
+        """Finish a save that crashed between its two moves; remove other temporary files."""
+        for path in sorted(self.folder.iterdir()):
+            if temp_target(path.name) == STATE_FILE and weights_nonce is not None:
+                try:
+                    pending = json.loads(path.read_text())
+                except (OSError, ValueError):
+                    pending = None  # a temporary file cut short by the crash: not the one
+                if isinstance(pending, dict) and pending.get("nonce") == weights_nonce:
+                    os.replace(path, self.state_path)
+                    fsync_dir(self.folder)
+                    continue
+            if temp_target(path.name) in CHECKPOINT_FILES:
+                path.unlink()
+
+    def verified_state(self) -> dict[str, Any] | None:
+        """``state.json``'s record of the last finished round, its weights checked against it
+        (sha256), or None when no round was saved. Does not check the fingerprint (that needs
+        the model): cheap enough to run before any model is loaded.
+
+        Raises ``CheckpointError`` when the folder is not the project's, and when its files
+        are damaged or do not belong together."""
+        if not self.folder.exists():
             return None
+        self.claim()
+        weights_nonce = self._weights_nonce()
+        self._roll_forward(weights_nonce)
+        record = self._read_state(self.state_path)
+        if record is None:
+            if weights_nonce is not None:
+                raise self._damaged(self.state_path, f"is missing (next to {WEIGHTS_FILE})")
+            return None
+        if weights_nonce is None:
+            raise self._damaged(self.weights_path, f"is missing (listed in {STATE_FILE})")
+        if record["nonce"] != weights_nonce:
+            raise self._damaged(
+                self.weights_path, f"does not belong to {STATE_FILE} (inconsistent nonces)"
+            )
+        if sha256_file(self.weights_path) != record["weights_sha256"]:
+            raise self._damaged(self.weights_path, f"differs from the sha256 in {STATE_FILE}")
+        return record
 
     def load(self) -> tuple[int, dict[str, torch.Tensor], dict[str, Any]] | None:
         """``(round, weights, extra)`` of the last finished round, or None when there is none.
 
-        Raises ``CheckpointError`` when the checkpoint belongs to another configuration or its
-        files do not belong together."""
-        record = self._read_state(self.state_path)
-        pending = self._read_state(self.folder / f"{STATE_FILE}.tmp")
-        weights_nonce = self._weights_nonce()
-        if pending is not None and pending["nonce"] == weights_nonce:
-            # crash between the two replaces: the new weights are in place, finish the save
-            os.replace(self.folder / f"{STATE_FILE}.tmp", self.state_path)
-            fsync_dir(self.folder)
-            record = pending
+        Raises ``CheckpointError`` as ``verified_state`` does, and when the checkpoint belongs
+        to another configuration."""
+        record = self.verified_state()
         if record is None:
             return None
-        if record["nonce"] != weights_nonce:
-            raise CheckpointError(
-                f"the checkpoint in {self.folder} is inconsistent ({WEIGHTS_FILE} does not "
-                f"belong to {STATE_FILE}); remove the folder or start afresh with resume=false"
-            )
         self._check_fingerprint(record)
         weights = load_file(str(self.weights_path))
         return int(record["round"]), weights, dict(record.get("extra", {}))
@@ -230,20 +336,15 @@ class RunCheckpoint:
             "delete the checkpoint and start afresh"
         )
 
-    def clear(self) -> None:
-        """Remove the checkpoint and the stored secret (a fresh start)."""
-        if self.folder.is_dir():
-            shutil.rmtree(self.folder)
-
     # ---- the MPU server secret -------------------------------------------------------------
 
     def mpu_secret(self, explicit: str = "", env_var: str = DEFAULT_SECRET_ENV_VAR) -> ServerSecret:
         """The MPU server secret of this run, the same before and after a restart.
 
-        ``explicit`` (``mpu-secret``) or ``$env_var`` when set — the folder then keeps only a
-        keyed check value, and a restart with another secret is refused; otherwise the fresh
-        secret stored in ``mpu-secret`` (0600) by the first start, or a new one (256 random
-        bits, hex-encoded) that is stored there now."""
+        ``explicit`` (read from ``mpu-secret-file``) or ``$env_var`` when set — the folder
+        then keeps only a keyed check value, and a restart with another secret is refused;
+        otherwise the fresh secret stored in ``mpu-secret`` (0600) by the first start, or a
+        new one (256 random bits, hex-encoded) that is stored there now."""
         given = explicit or os.environ.get(env_var, "")
         stored = self._read_secret_file()
         if given:
@@ -258,8 +359,8 @@ class RunCheckpoint:
                 if known != check:
                     raise CheckpointError(
                         f"the checkpoint in {self.folder} was made with another MPU secret; "
-                        "resume with the same mpu-secret (or $FEDUNLEARN_MPU_SECRET), or set "
-                        "resume=false to start afresh"
+                        "resume with the same mpu-secret-file (or $FEDUNLEARN_MPU_SECRET), or "
+                        "set resume=false to start afresh"
                     )
                 return secret
             self._write_secret_file({"kind": "given", "check": check})
@@ -268,7 +369,8 @@ class RunCheckpoint:
             if stored.get("kind") != "fresh":
                 raise CheckpointError(
                     f"the checkpoint in {self.folder} was made with a given MPU secret: set the "
-                    "same mpu-secret (or $FEDUNLEARN_MPU_SECRET) to resume, or resume=false"
+                    "same mpu-secret-file (or $FEDUNLEARN_MPU_SECRET) to resume, or "
+                    "resume=false"
                 )
             return ServerSecret(str(stored["secret"]).encode("utf-8"))
         fresh = secrets.token_hex(32)
@@ -281,17 +383,20 @@ class RunCheckpoint:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as err:
-            raise CheckpointError(
-                f"{self.secret_path} is unreadable ({type(err).__name__})"
-            ) from None
-        return record if isinstance(record, dict) else None
+            raise self._damaged(self.secret_path, f"is unreadable ({type(err).__name__})") from None
+        if not isinstance(record, dict) or record.pop("sha256", None) != _record_sha256(record):
+            raise self._damaged(self.secret_path, "differs from its sha256")
+        return record
 
     def _write_secret_file(self, record: dict[str, str]) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True)
-        tmp = self.folder / f"{SECRET_FILE}.tmp"
-        _write_bytes(tmp, json.dumps(record).encode(), mode=0o600)
-        os.replace(tmp, self.secret_path)
-        fsync_dir(self.folder)
+        if not self.marker_path.is_file():
+            self.claim()
+        data = {**record, "sha256": _record_sha256(record)}
+        write_file_atomic(self.secret_path, json.dumps(data).encode(), mode=0o600)
+
+
+def _record_sha256(record: Mapping[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
 
 
 def _secret_check(secret: bytes) -> str:

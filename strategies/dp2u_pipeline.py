@@ -33,7 +33,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
-from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel
 
 from clients.messages import describe_model
@@ -43,12 +42,12 @@ from fedunlearn.evaluation.distribution import truth_ratio_distances
 from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
-from strategies.checkpoint import fsync_dir, fsync_file
 from strategies.fedtrain_strategy import FedTrainStrategy
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import json_safe
 from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
 from strategies.settings import RunSettings
+from strategies.stage_cache import StageCache
 
 DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
 UNLEARN_METHODS = ("ga", "graddiff", "kl", "idk")
@@ -57,41 +56,6 @@ STAGE_A_SGD = "A: DP base (DP-SGD)"
 STAGE_A_MLM = "A: DP base (DP-MLM)"
 STAGE_B = "B: deployed FM (E′)"
 STAGE_C = "C: unlearned UM (E′)"
-
-
-class StageCache:
-    """Finished stage models on disk: ``<folder>/<key>/model.safetensors`` + ``info.json``.
-
-    Written atomically and durably (temporary folder, fsynced, then renamed and the parent
-    fsynced), so a crash never leaves half a model.
-    """
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
-
-    @staticmethod
-    def key(**fields: Any) -> str:
-        payload = json.dumps(fields, sort_keys=True, default=str)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
-
-    def load(self, key: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]] | None:
-        path = self.folder / key
-        if not (path / "info.json").is_file():
-            return None
-        return load_file(str(path / "model.safetensors")), json.loads(
-            (path / "info.json").read_text()
-        )
-
-    def save(self, key: str, state: dict[str, torch.Tensor], info: dict[str, Any]) -> None:
-        tmp = self.folder / f".{key}.tmp"
-        tmp.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in state.items()}, str(tmp / "model.safetensors"))
-        (tmp / "info.json").write_text(json.dumps(info, indent=2, default=str))
-        for name in ("model.safetensors", "info.json"):
-            fsync_file(tmp / name)
-        fsync_dir(tmp)
-        tmp.replace(self.folder / key)
-        fsync_dir(self.folder)  # the rename itself survives a power loss
 
 
 class Dp2uPipeline:

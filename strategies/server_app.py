@@ -6,6 +6,7 @@ import copy
 import json
 import logging
 import time
+from collections.abc import Iterator
 from logging import INFO
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model, wire_state
+from fedunlearn.files import exclusive_folder
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
     CHECKPOINT_DIR,
@@ -37,6 +39,24 @@ from strategies.run_setup import (
 from strategies.settings import RunSettings
 
 app = ServerApp()
+
+
+@app.lifespan()
+def one_run_per_output_dir(context: Context) -> Iterator[None]:
+    """Hold the output-dir for the whole run. A second run on it is refused at once
+    (``FolderInUseError`` naming the first run's PID), and so is a checkpoint folder that is
+    not the project's or is damaged (``CheckpointError``) — before any model is loaded."""
+    settings = RunSettings.from_run_config(dict(context.run_config))
+    output_dir = settings.resolved_output_dir()
+    context.run_config["output-dir"] = str(output_dir)  # main uses the same (timestamped) one
+    with exclusive_folder(output_dir, "output-dir"):
+        if settings.strategy != "dp2u":  # dp2u resumes per cached stage, not from here
+            checkpoint = RunCheckpoint(output_dir / CHECKPOINT_DIR, "")
+            if settings.resume:
+                checkpoint.verified_state()
+            else:
+                checkpoint.claim()
+        yield
 
 
 @app.main()
@@ -175,8 +195,10 @@ def _open_checkpoint(
     settings: RunSettings, output_dir: Path, model: torch.nn.Module
 ) -> tuple[RunCheckpoint, int, dict[str, torch.Tensor] | None, dict[str, Any]]:
     """The run's checkpoint and what it resumes from: ``(checkpoint, finished rounds, their
-    weights, their results record)``. Without a usable checkpoint, or with ``resume=false``,
-    the folder is cleared (a fresh start); one of another config raises ``CheckpointError``."""
+    weights, their results record)``. Without a saved round, or with ``resume=false``, the
+    checkpoint's own files are removed (a fresh start). A checkpoint of another config, a
+    damaged one and a folder the project did not write raise ``CheckpointError`` (nothing is
+    deleted)."""
     config = settings.as_dict()
     checkpoint = RunCheckpoint(
         output_dir / CHECKPOINT_DIR,
@@ -185,11 +207,10 @@ def _open_checkpoint(
     )
     loaded = checkpoint.load() if settings.resume else None
     if loaded is None:
-        if checkpoint.folder.exists():
-            log(
-                INFO, "starting afresh: clearing %s (resume=%s)", checkpoint.folder, settings.resume
-            )
+        if not settings.resume and checkpoint.state_path.exists():
+            log(INFO, "resume=false: removing the checkpoint files in %s", checkpoint.folder)
         checkpoint.clear()
+        checkpoint.claim()
         return checkpoint, 0, None, {}
     done, state, record = loaded
     if done > settings.num_rounds:

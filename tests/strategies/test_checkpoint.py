@@ -42,6 +42,7 @@ def test_save_and_load_keep_only_the_last_round(tmp_path):
     assert done == 2 and extra == {"clients": [{"node_id": 6}]}
     assert all(torch.equal(state[k], v) for k, v in _state(2.0).items())
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [
+        "fedunlearn-checkpoint.json",  # the marker: this folder is the project's
         "state.json",
         "weights.safetensors",
     ]
