@@ -11,12 +11,14 @@ in it; for a split the first of these that exists is read:
 3. ``<config>/<split>.txt``: the whole file is ONE document (as MUSE's own code reads its raw
    ``.txt`` files before chunking them by tokens).
 
-Parquet and JSON files are read with ``datasets.load_dataset("parquet" | "json",
-data_files=...)``; nothing is fetched from the hub. A JSON file holding a list of strings (the
-GitHub ``raw/*.json`` and ``privleak/*.json`` files) becomes a ``text`` column.
+Parquet and JSON files are read one at a time with ``datasets.load_dataset("parquet" |
+"json", data_files=...)`` (:mod:`fedunlearn.benchmarks.data_files`); nothing is fetched from
+the hub. A JSON file holding a list of strings (the GitHub ``raw/*.json`` and
+``privleak/*.json`` files) becomes a ``text`` column.
 
 Configs and splits used (``raw/forget`` is required, every other part is optional and empty
-when missing; a file that exists but lacks a column is an error naming file and column):
+when missing; a damaged file, a missing column or a record without a value raises
+``DataFileError`` naming the file, the row and the column):
 
 * ``raw`` (column ``text``): ``forget`` -> forget passages; ``retain1`` then ``retain2`` ->
   retain passages (both were seen by MUSE's target model; retain1 is the set unlearning methods
@@ -54,6 +56,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.benchmarks.data_files import DataFileError, Table, read_table
 from fedunlearn.benchmarks.muse import MuseData
 from fedunlearn.benchmarks.tofu_files import find_config_files
 
@@ -76,36 +79,17 @@ def find_split_files(root: Path, config: str, split: str) -> list[Path] | None:
     return [text] if text.is_file() else None
 
 
-def _read_rows(files: list[Path], cache_dir: str | None) -> list[dict[str, Any]]:
+def _read_table(files: list[Path], cache_dir: str | None) -> Table:
     """Rows of ``files``: a ``.txt`` file is one ``{"text": ...}`` row, others via datasets."""
-    if files[0].suffix == ".txt":
-        return [{"text": f.read_text(encoding="utf-8")} for f in files]
-    from datasets import load_dataset  # heavy import, only needed here
-
-    builder = "parquet" if files[0].suffix == ".parquet" else "json"
-    dataset = load_dataset(
-        builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir
-    )
-    return dataset.to_list()
-
-
-def _column(
-    rows: list[dict[str, Any]], files: list[Path], columns: Sequence[str]
-) -> list[tuple[str, ...]]:
-    """The ``columns`` of every row as strings; errors name the file and the column."""
-    present = set(rows[0]) if rows else set()
-    for column in columns:
-        if rows and column not in present:
-            raise ValueError(f"{files[0]}: missing column {column!r} (columns: {sorted(present)})")
-    out = []
-    for i, row in enumerate(rows):
-        values = []
-        for column in columns:
-            if row[column] is None:
-                raise ValueError(f"{files[0]}: row {i} has no value in column {column!r}")
-            values.append(str(row[column]))
-        out.append(tuple(values))
-    return out
+    if files[0].suffix != ".txt":
+        return read_table(files, cache_dir)
+    rows = []
+    for path in files:
+        try:
+            rows.append({"text": path.read_text(encoding="utf-8")})
+        except UnicodeDecodeError as err:
+            raise DataFileError(f"{path}: byte {err.start}: not UTF-8 text") from None
+    return Table(tuple(files), (("text",),) * len(files), tuple(range(len(files))), rows)
 
 
 def chunk_text(text: str, max_chars: int) -> list[str]:
@@ -139,7 +123,8 @@ class _Reader:
         for split in splits:
             files = find_split_files(self.root, config, split)
             if files is not None:
-                return _column(_read_rows(files, self.cache_dir), files, columns)
+                rows = _read_table(files, self.cache_dir).require(columns).rows
+                return [tuple(str(row[c]) for c in columns) for row in rows]
         return None
 
 

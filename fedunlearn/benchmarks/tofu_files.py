@@ -3,8 +3,10 @@
 The directory holds one file per TOFU config, named after the config, as ``.parquet``,
 ``.jsonl`` or ``.json`` (``full.parquet``, ``forget01_perturbed.json``, ...); a sub-directory
 named after the config with such files in it (the layout of a Hugging Face snapshot) works too.
-Files are read with ``datasets.load_dataset("parquet" | "json", data_files=...)``; nothing is
-fetched from the hub.
+Files are read with ``datasets.load_dataset("parquet" | "json", data_files=...)``, one at a
+time (:mod:`fedunlearn.benchmarks.data_files`); nothing is fetched from the hub. A damaged file,
+a missing column or a record without a value raises ``DataFileError`` (a ``ValueError``)
+naming the file and the row.
 
 Configs used:
 
@@ -35,6 +37,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.benchmarks.data_files import DataFileError, Table, read_table
 from fedunlearn.benchmarks.tofu import TofuData
 
 EXTENSIONS = (".parquet", ".jsonl", ".json")
@@ -63,38 +66,19 @@ def find_config_files(root: Path, config: str) -> list[Path] | None:
     return None
 
 
-def _read_rows(files: list[Path], cache_dir: str | None) -> list[dict[str, Any]]:
-    """All rows of ``files`` as dicts, via ``datasets.load_dataset`` on local files."""
-    from datasets import load_dataset  # heavy import, only needed here
-
-    builder = "parquet" if files[0].suffix == ".parquet" else "json"
-    dataset = load_dataset(
-        builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir
-    )
-    return dataset.to_list()
-
-
 class _ConfigReader:
     """Reads each config of one directory at most once."""
 
     def __init__(self, root: Path, cache_dir: str | None) -> None:
         self.root, self.cache_dir = root, cache_dir
-        self._rows: dict[str, tuple[list[Path], list[dict[str, Any]]] | None] = {}
+        self._tables: dict[str, Table | None] = {}
 
-    def __call__(self, config: str) -> tuple[list[Path], list[dict[str, Any]]] | None:
-        """``(files, rows)`` of ``config``, or None when the directory does not hold it."""
-        if config not in self._rows:
+    def __call__(self, config: str) -> Table | None:
+        """The rows of ``config``, or None when the directory does not hold it."""
+        if config not in self._tables:
             files = find_config_files(self.root, config)
-            rows = None if files is None else _read_rows(files, self.cache_dir)
-            self._rows[config] = None if files is None or rows is None else (files, rows)
-        return self._rows[config]
-
-
-def _require_columns(rows: list[dict[str, Any]], files: list[Path], columns: list[str]) -> None:
-    present = set(rows[0]) if rows else set()
-    for column in columns:
-        if rows and column not in present:
-            raise ValueError(f"{files[0]}: missing column {column!r} (columns: {sorted(present)})")
+            self._tables[config] = None if files is None else read_table(files, self.cache_dir)
+        return self._tables[config]
 
 
 def _as_list(value: Any) -> list[str]:
@@ -109,11 +93,10 @@ def _norm(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _extra_records(rows: list[dict[str, Any]], files: list[Path]) -> list[dict[str, Any]]:
+def _extra_records(table: Table) -> list[dict[str, Any]]:
     """Records of ``real_authors``/``world_facts`` rows (see the module docstring)."""
-    _require_columns(rows, files, ["question", "answer"])
     records = []
-    for row in rows:
+    for i, row in enumerate(table.require(["question", "answer"]).rows):
         answer = str(row["answer"])
         if "perturbed_answer" in row:
             perturbed = _as_list(row["perturbed_answer"])
@@ -122,8 +105,8 @@ def _extra_records(rows: list[dict[str, Any]], files: list[Path]) -> list[dict[s
                 (int(m.group(1)), key) for key in row if (m := _OPTION_COLUMN.match(key))
             )
             if not options:
-                raise ValueError(
-                    f"{files[0]}: missing column 'perturbed_answer' (or option1, option2, ...)"
+                raise DataFileError(
+                    f"{table.where(i)}: no 'perturbed_answer' (nor option1, option2, ...)"
                 )
             perturbed = [
                 str(row[key])
@@ -162,12 +145,11 @@ def load_tofu_files(
     if full is None:
         expected = ", ".join(f"full{ext}" for ext in EXTENSIONS)
         raise FileNotFoundError(f"{root}: no 'full' config; expected one of {expected} or full/")
-    full_files, full_rows = full
-    _require_columns(full_rows, full_files, ["question", "answer"])
+    full_rows = full.require(["question", "answer"]).rows
     if not full_rows or len(full_rows) % qa_per_author:
-        raise ValueError(
-            f"{full_files[0]}: {len(full_rows)} rows is not a positive multiple of "
-            f"qa_per_author={qa_per_author}"
+        raise DataFileError(
+            f"{', '.join(map(str, full.files))}: {len(full_rows)} rows is not a positive "
+            f"multiple of qa_per_author={qa_per_author}"
         )
 
     num_authors = len(full_rows) // qa_per_author
@@ -190,12 +172,13 @@ def load_tofu_files(
         loaded = read(config)
         if loaded is None:
             continue
-        files, rows = loaded
-        _require_columns(rows, files, ["question", "paraphrased_answer", "perturbed_answer"])
-        for row in rows:
+        rows = loaded.require(["question", "paraphrased_answer", "perturbed_answer"]).rows
+        for i, row in enumerate(rows):
             matches = by_question.get(_norm(row["question"]))
             if not matches:
-                raise ValueError(f"{files[0]}: question not found in full: {row['question']!r}")
+                raise DataFileError(
+                    f"{loaded.where(i)}: question not found in full: {row['question']!r}"
+                )
             if "answer" in row and len(matches) > 1:
                 same = [i for i in matches if _norm(author_qa[i]["answer"]) == _norm(row["answer"])]
                 matches = same or matches
@@ -206,7 +189,7 @@ def load_tofu_files(
     extras: dict[str, list[dict[str, Any]]] = {}
     for name in ("real_authors", "world_facts"):
         loaded = read(f"{name}_perturbed") or read(name)
-        extras[name] = [] if loaded is None else _extra_records(loaded[1], loaded[0])
+        extras[name] = [] if loaded is None else _extra_records(loaded)
     data = TofuData(
         author_names=names,
         author_qa=author_qa,
@@ -225,14 +208,14 @@ def _check_forget_configs(read: _ConfigReader, data: TofuData) -> None:
             loaded = read(name)
             if loaded is None:
                 continue
-            files, rows = loaded
+            found = [_norm(r["question"]) for r in loaded.require(["question"]).rows]
             expected = [_norm(r["question"]) for r in data.forget_split(percent)]
-            _require_columns(rows, files, ["question"])
-            found = [_norm(r["question"]) for r in rows]
-            ok = sorted(found) == sorted(expected) if exact else set(found) <= set(expected)
-            if not ok:
-                raise ValueError(
-                    f"{files[0]}: questions do not match the last "
+            allowed = set(expected)
+            stray = next((i for i, q in enumerate(found) if q not in allowed), None)
+            if stray is not None or (exact and sorted(found) != sorted(expected)):
+                place = ", ".join(map(str, loaded.files)) if stray is None else loaded.where(stray)
+                raise DataFileError(
+                    f"{place}: questions do not match the last "
                     f"{len(data.forget_authors(percent))} authors of full; "
                     "is qa_per_author right?"
                 )

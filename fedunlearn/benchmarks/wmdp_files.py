@@ -1,10 +1,12 @@
 """Load local copies of the published WMDP questions, WMDP corpora and MMLU as :class:`WmdpData`.
 
-Nothing is fetched: files are read with ``datasets.load_dataset("parquet" | "json",
-data_files=...)``. A config is found like the TOFU configs
-(:func:`fedunlearn.benchmarks.tofu_files.find_config_files`): a file ``<config>.parquet``,
-``<config>.jsonl`` or ``<config>.json``, or a folder ``<config>/`` holding such files (the
-layout of a Hugging Face snapshot, e.g. ``wmdp-bio/test-00000-of-00001.parquet``).
+Nothing is fetched: files are read one at a time with ``datasets.load_dataset("parquet" |
+"json", data_files=...)`` (:mod:`fedunlearn.benchmarks.data_files`: a damaged file, a missing
+column or a missing value raises ``DataFileError`` naming the file and the row). A config is
+found like the TOFU configs (:func:`fedunlearn.benchmarks.tofu_files.find_config_files`): a
+file ``<config>.parquet``, ``<config>.jsonl`` or ``<config>.json``, or a folder ``<config>/``
+holding such files (the layout of a Hugging Face snapshot, e.g.
+``wmdp-bio/test-00000-of-00001.parquet``).
 
 Schemas (checked against the dataset cards / file listings of the Hugging Face repositories
 and code that reads them; see the notes at the end):
@@ -53,6 +55,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from fedunlearn.benchmarks.data_files import Table, read_table
 from fedunlearn.benchmarks.tofu_files import EXTENSIONS, find_config_files
 from fedunlearn.benchmarks.wmdp import GENERAL, HAZARD_DOMAINS, WmdpData
 
@@ -60,33 +63,6 @@ MC_COLUMNS = ("question", "choices", "answer")
 SPLITS = ("test", "validation", "dev", "auxiliary_train", "train")
 
 __all__ = ["load_wmdp_files", "load_wmdp_questions", "load_mmlu_questions"]
-
-
-def _load_rows(
-    files: list[Path],
-    columns: Sequence[str],
-    cache_dir: str | None,
-    limit: int | None = None,
-    optional: Sequence[str] = (),
-) -> list[dict[str, Any]]:
-    """Rows of ``files`` restricted to ``columns`` plus those of ``optional`` that exist.
-
-    A missing required column is a ValueError naming the file and the column.
-    """
-    from datasets import load_dataset  # heavy import, only needed here
-
-    builder = "parquet" if files[0].suffix == ".parquet" else "json"
-    dataset = load_dataset(
-        builder, data_files=[str(f) for f in files], split="train", cache_dir=cache_dir
-    )
-    present = list(dataset.column_names)
-    for column in columns:
-        if column not in present:
-            raise ValueError(f"{files[0]}: missing column {column!r} (columns: {sorted(present)})")
-    dataset = dataset.select_columns([*columns, *(c for c in optional if c in present)])
-    if limit is not None and limit < len(dataset):
-        dataset = dataset.select(range(limit))
-    return dataset.to_list()
 
 
 def _answer_index(value: Any, n_choices: int, where: str) -> int:
@@ -107,10 +83,10 @@ def _answer_index(value: Any, n_choices: int, where: str) -> int:
     return index
 
 
-def _mc_records(rows: list[dict[str, Any]], files: list[Path], domain: str) -> list[dict[str, Any]]:
+def _mc_records(table: Table, domain: str) -> list[dict[str, Any]]:
     records = []
-    for i, row in enumerate(rows):
-        where = f"{files[0]} row {i}"
+    for i, row in enumerate(table.rows):
+        where = table.where(i)
         choices = row["choices"]
         if isinstance(choices, str) or not isinstance(choices, Sequence) or len(choices) < 2:
             raise ValueError(f"{where}: 'choices' must be a list of >= 2 options, got {choices!r}")
@@ -138,11 +114,11 @@ def _text_records(
             break
     else:
         return []
-    rows = _load_rows(files, ["text"], cache_dir, limit)
+    table = read_table(files, cache_dir, required=["text"], optional=(), limit=limit)
     return [
         {"text": str(r["text"]), "domain": domain, "entity": ""}
-        for r in rows
-        if r["text"] and str(r["text"]).strip()
+        for r in table.rows
+        if str(r["text"]).strip()
     ]
 
 
@@ -178,8 +154,8 @@ def load_wmdp_questions(
                 f"{root}: no file for config 'wmdp-{domain}' "
                 f"(wmdp-{domain}.parquet/.jsonl/.json or a wmdp-{domain}/ folder)"
             )
-        rows = _load_rows(files, MC_COLUMNS, cache_dir)
-        questions[domain] = _mc_records(rows, files, domain)
+        table = read_table(files, cache_dir, required=MC_COLUMNS, optional=())
+        questions[domain] = _mc_records(table, domain)
     return questions
 
 
@@ -244,8 +220,8 @@ def load_mmlu_questions(
         )
     records: list[dict[str, Any]] = []
     for files in groups:
-        rows = _load_rows(files, MC_COLUMNS, cache_dir, optional=("subject",))
-        records.extend(_mc_records(rows, files, GENERAL))
+        table = read_table(files, cache_dir, required=MC_COLUMNS, optional=("subject",))
+        records.extend(_mc_records(table, GENERAL))
     return records
 
 

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fedunlearn.benchmarks.data_files import DataFileError
 from fedunlearn.benchmarks.muse_files import chunk_text, find_split_files, load_muse_files
 
 RAW = {
@@ -139,3 +140,41 @@ def test_errors_name_file_and_column(tmp_path: Path) -> None:
     _json(tmp_path / "knowmem" / "forget_qa.json", [{"question": "q?", "reply": "a"}])
     with pytest.raises(ValueError, match=r"forget_qa\.json.*'answer'"):
         load_muse_files(tmp_path, cache_dir=str(tmp_path / "cache"))
+
+
+# --- damaged copies of the real files (issue 13): errors name the file and the record --------
+
+SHARED_MUSE = Path("/work/shared/data/muse-news")
+
+
+def _real_muse(root: Path, qa_count: int) -> list[dict]:
+    """``raw/forget.txt`` (its first 2 kB) and the first ``qa_count`` forget QA of MUSE-News."""
+    if not SHARED_MUSE.is_dir():
+        pytest.skip(f"{SHARED_MUSE} is not available")
+    (root / "raw").mkdir(parents=True)
+    text = (SHARED_MUSE / "raw" / "forget.txt").read_text(encoding="utf-8")[:2000]
+    (root / "raw" / "forget.txt").write_text(text, encoding="utf-8")
+    qa = json.loads((SHARED_MUSE / "knowmem" / "forget_qa.json").read_text(encoding="utf-8"))
+    return qa[:qa_count]
+
+
+def test_damaged_real_muse_files_are_named(tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    qa = _real_muse(tmp_path, 6)
+    path = tmp_path / "knowmem" / "forget_qa.json"
+    _json(path, qa)
+    assert [r["answer"] for r in load_muse_files(tmp_path, cache_dir=cache).forget_qa] == [
+        r["answer"] for r in qa
+    ]
+
+    _json(path, [*qa[:4], {"question": qa[4]["question"]}, qa[5]])
+    with pytest.raises(DataFileError, match=r"forget_qa\.json row 4: no value in column 'answer'"):
+        load_muse_files(tmp_path, cache_dir=cache)
+
+    path.write_text(json.dumps(qa, indent=1)[:-40])  # a JSON array cut short
+    with pytest.raises(DataFileError, match=r"forget_qa\.json: not a readable json file: line \d+"):
+        load_muse_files(tmp_path, cache_dir=cache)
+
+    (tmp_path / "raw" / "forget.txt").write_bytes(b"valid start \xff\xfe broken")
+    with pytest.raises(DataFileError, match=r"forget\.txt: byte 12: not UTF-8"):
+        load_muse_files(tmp_path, cache_dir=cache)

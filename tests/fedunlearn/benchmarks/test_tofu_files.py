@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fedunlearn.benchmarks.data_files import DataFileError
 from fedunlearn.benchmarks.tofu import has_perturbations
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
 
@@ -190,3 +191,78 @@ def test_row_count_and_question_mismatches(tmp_path: Path) -> None:
     _write(tmp_path, "retain_perturbed", unknown, "parquet")
     with pytest.raises(ValueError, match="not found in full"):
         load_tofu_files(tmp_path, qa_per_author=2 * QA, cache_dir=cache)
+
+
+# --- damaged copies of the real files (issue 13): errors name the file and the record --------
+
+SHARED_TOFU = Path("/work/shared/data/tofu")
+REAL_QA = 20  # the published files: 20 questions per author
+
+
+def _real_lines(name: str, count: int) -> list[str]:
+    """The first ``count`` JSON lines of a real TOFU file (read only; copies go to tmp_path)."""
+    path = SHARED_TOFU / name
+    if not path.is_file():
+        pytest.skip(f"{path} is not available")
+    return path.read_text(encoding="utf-8").splitlines()[:count]
+
+
+def _load_real_copy(root: Path):
+    return load_tofu_files(root, qa_per_author=REAL_QA, cache_dir=str(root / "cache"))
+
+
+def test_real_records_copy_loads(tmp_path: Path) -> None:
+    lines = _real_lines("full.json", 2 * REAL_QA)
+    (tmp_path / "full.json").write_text("\n".join(lines) + "\n")
+    data = _load_real_copy(tmp_path)
+    assert [r["question"] for r in data.author_qa] == [json.loads(x)["question"] for x in lines]
+
+
+def test_truncated_json_line_names_file_and_line(tmp_path: Path) -> None:
+    lines = _real_lines("full.json", 2 * REAL_QA)
+    lines[-1] = lines[-1][:60]  # the file ends in the middle of its 40th record
+    (tmp_path / "full.json").write_text("\n".join(lines))
+    with pytest.raises(DataFileError, match=r"full\.json: not a readable json file: line 40 "):
+        _load_real_copy(tmp_path)
+
+
+def test_record_without_a_question_names_file_and_row(tmp_path: Path) -> None:
+    lines = _real_lines("full.json", 2 * REAL_QA)
+    record = json.loads(lines[6])
+    lines[6] = json.dumps({"query": record.pop("question"), **record})
+    (tmp_path / "full.json").write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataFileError, match=r"full\.json row 6: no value in column 'question'"):
+        _load_real_copy(tmp_path)
+
+
+def test_file_that_is_not_parquet_is_named(tmp_path: Path) -> None:
+    lines = _real_lines("full.json", 2 * REAL_QA)
+    (tmp_path / "full.parquet").write_text("\n".join(lines))  # JSON under a parquet name
+    with pytest.raises(DataFileError, match=r"full\.parquet: not a readable parquet file: .*"):
+        _load_real_copy(tmp_path)
+
+
+def test_damaged_second_shard_is_the_one_named(tmp_path: Path) -> None:
+    rows = [json.loads(x) for x in _real_lines("full.json", 2 * REAL_QA)]
+    (tmp_path / "full").mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:REAL_QA]), tmp_path / "full" / "train-0.parquet")
+    shard = tmp_path / "full" / "train-1.parquet"
+    pq.write_table(
+        pa.Table.from_pylist([{"question": r["question"]} for r in rows[REAL_QA:]]), shard
+    )
+    with pytest.raises(DataFileError, match=r"train-1\.parquet: missing column 'answer'"):
+        _load_real_copy(tmp_path)
+    shard.write_bytes(shard.read_bytes()[:-20])  # cut off the footer
+    with pytest.raises(DataFileError, match=r"train-1\.parquet: not a readable parquet file"):
+        _load_real_copy(tmp_path)
+
+
+def test_perturbed_record_names_its_row(tmp_path: Path) -> None:
+    (tmp_path / "full.json").write_text("\n".join(_real_lines("full.json", 2 * REAL_QA)) + "\n")
+    perturbed = [json.loads(x) for x in _real_lines("retain_perturbed.json", 5)]
+    perturbed[3]["paraphrased_answer"] = None
+    (tmp_path / "retain_perturbed.json").write_text(
+        "".join(json.dumps(r) + "\n" for r in perturbed)
+    )
+    with pytest.raises(DataFileError, match=r"retain_perturbed\.json row 3: no value in column "):
+        _load_real_copy(tmp_path)

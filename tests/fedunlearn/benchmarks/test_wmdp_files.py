@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from fedunlearn.benchmarks.data_files import DataFileError
 from fedunlearn.benchmarks.wmdp import GENERAL
 from fedunlearn.benchmarks.wmdp_files import (
     load_mmlu_questions,
@@ -223,3 +224,37 @@ def test_clear_errors(tmp_path: Path) -> None:
     _write(valid / "wmdp-bio.parquet", _mc_rows("bio", 2))
     with pytest.raises(FileNotFoundError, match="MMLU directory not found"):
         load_wmdp_files(valid, mmlu_path=tmp_path / "nope", cache_dir=cache)
+
+
+# --- damaged copies of the real files (issue 13): errors name the file and the record --------
+
+SHARED_WMDP = Path("/work/shared/data/wmdp-bio-200/wmdp_bio_200.jsonl")
+
+
+def _real_wmdp_lines(count: int) -> list[str]:
+    if not SHARED_WMDP.is_file():
+        pytest.skip(f"{SHARED_WMDP} is not available")
+    return SHARED_WMDP.read_text(encoding="utf-8").splitlines()[:count]
+
+
+def test_damaged_real_wmdp_records_are_named(tmp_path: Path) -> None:
+    cache = str(tmp_path / "cache")
+    lines = _real_wmdp_lines(8)
+    path = tmp_path / "wmdp-bio.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    assert len(load_wmdp_questions(tmp_path, ["bio"], cache_dir=cache)["bio"]) == 8
+
+    record = json.loads(lines[5])
+    del record["answer"]
+    path.write_text("\n".join([*lines[:5], json.dumps(record), *lines[6:]]) + "\n")
+    with pytest.raises(DataFileError, match=r"wmdp-bio\.jsonl row 5: no value in column 'answer'"):
+        load_wmdp_questions(tmp_path, ["bio"], cache_dir=cache)
+
+    path.write_text("\n".join([*lines[:3], lines[3][:50], *lines[4:]]) + "\n")
+    with pytest.raises(DataFileError, match=r"wmdp-bio\.jsonl: not a readable json file: line 4 "):
+        load_wmdp_questions(tmp_path, ["bio"], cache_dir=cache)
+
+    path.unlink()
+    (tmp_path / "wmdp-bio.parquet").write_text("\n".join(lines))
+    with pytest.raises(DataFileError, match=r"wmdp-bio\.parquet: not a readable parquet file"):
+        load_wmdp_questions(tmp_path, ["bio"], cache_dir=cache)
