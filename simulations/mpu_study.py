@@ -29,6 +29,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from simulations import run_local  # noqa: E402
+from strategies.secret_files import (  # noqa: E402
+    make_private_dir,
+    read_secret_file,
+    write_private_file,
+)
 
 METRICS = ("forget_quality", "forget_truth_ratio", "forget_rouge_l", "model_utility", "privleak")
 STUDY_SECRET = "fedunlearn-mpu-study"
@@ -63,7 +68,9 @@ def _replicated(
     replicates, ``metrics_std`` their standard deviation, ``replicates`` every run's numbers."""
     runs = []
     for r in range(replicates if randomised else 1):
-        secret = f" mpu-secret='{STUDY_SECRET}-{r}'" if "mpu-secret=" not in run_config else ""
+        secret = ""
+        if "mpu-secret-file=" not in run_config:
+            secret = f" mpu-secret-file='{study_secret_file(output_dir, r)}'"
         suffix = f"-r{r}" if randomised else ""
         runs.append(_cell(run_config + secret, output_dir / "runs" / f"{name}{suffix}"))
     cell = dict(runs[0])
@@ -76,6 +83,19 @@ def _replicated(
     cell["replicates"] = [run["metrics"] for run in runs]
     cell["results"] = [run["results"] for run in runs]
     return cell
+
+
+def study_secret_file(output_dir: Path, replicate: int) -> Path:
+    """The 0600 file holding replicate ``replicate``'s fixed study secret (made once), for
+    ``mpu-secret-file``: a secret never goes into a run config (command lines, run records)."""
+    folder = make_private_dir(output_dir / "secrets")
+    path = folder / f"study-secret-{replicate}"
+    secret = f"{STUDY_SECRET}-{replicate}"
+    if not path.exists():
+        write_private_file(path, secret.encode())
+    elif read_secret_file(path) != secret:
+        raise ValueError(f"{path} holds another secret than replicate {replicate}'s; remove it")
+    return path
 
 
 def _mean(values: list[Any]) -> float | None:

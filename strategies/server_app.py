@@ -36,6 +36,7 @@ from strategies.run_setup import (
     load_run_model,
     pretrained_state,
 )
+from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
 
 app = ServerApp()
@@ -126,7 +127,8 @@ def main(grid: Grid, context: Context) -> None:
         strategy: MergeStrategy = MpuStrategy(
             merge=settings.mpu_merge,
             model_config=model.config,
-            secret=checkpoint.mpu_secret(settings.mpu_secret),  # kept there for a resume
+            # the file's secret or $FEDUNLEARN_MPU_SECRET; a fresh one is kept for a resume
+            secret=checkpoint.mpu_secret(given_secret(settings.mpu_secret_file)),
             mode=settings.mpu_mode,
             copies=settings.mpu_copies,
             kappa=settings.mpu_kappa,
