@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 from fedunlearn.models.llama import new_tiny_llama
 from fedunlearn.uploads import load_uploads
 from simulations import run_local
+from strategies.secret_files import write_private_file
 
 pytestmark = pytest.mark.slow
 
@@ -21,7 +22,8 @@ SMALL_RUN = (
 @pytest.mark.parametrize(
     "options",
     [
-        "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret='do-not-leak-4711'",
+        # the server secret from a private file (never in the run config)
+        "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret-file='{secret_file}'",
         # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained
         "mpu-merge='sum' mpu-copies=3 finetune='full' mpu-sigma-source='task-vector' "
         "mpu-pretrained-path='{pretrained}' save-uploads=true",
@@ -35,6 +37,9 @@ def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
         model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
         new_tiny_llama(model.config, seed=1).save_pretrained(pretrained)
         options = options.format(pretrained=pretrained)
+    if "{secret_file}" in options:
+        secret_file = write_private_file(tmp_path / "mpu-secret", b"do-not-leak-4711")
+        options = options.format(secret_file=secret_file)
     path = run_local.run(
         run_config=f"model-path='{tiny_checkpoint}' strategy='mpu' {options} {SMALL_RUN}",
         output_dir=tmp_path / "out",

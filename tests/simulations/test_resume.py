@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 
 from simulations import run_local
+from strategies.secret_files import write_private_file
 
 pytestmark = pytest.mark.slow
 
@@ -210,7 +211,8 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_checkpoint, runs,
     if "mpu" in options:
         assert oct(secret_file.stat().st_mode & 0o777) == "0o600"
         secret = json.loads(secret_file.read_text())["secret"]
-        reference_config += f" mpu-secret='{secret}'"
+        given = write_private_file(tmp_path / "reference-secret", secret.encode())
+        reference_config += f" mpu-secret-file='{given}'"
         for text in [*runs.outputs, (killed / "results.json").read_text()]:
             assert secret not in text
     else:
