@@ -257,7 +257,7 @@ def _quoted(path: Path) -> str:
         return f"'{text}'"
     if '"' not in text and "\\" not in text:
         return f'"{text}"'
-    raise ValueError(f"the folder {text!r} holds both quote characters; Flower cannot pass it")
+    raise ValueError(f"Flower cannot pass the folder {text!r} (a ' with a \" or a \\ in it)")
 
 
 def federation_overrides(num_clients: int, federation_config: str) -> str:
