@@ -9,6 +9,9 @@ the scenario (:class:`fedunlearn.scenarios.Scenario`):
 3. the *knowledgeable model*: fine-tuned on everything the scenario's clients hold;
 4. the *retain-only reference model*: the same recipe without the forget part — the
    gold standard (retraining) that forget quality and PrivLeak are measured against.
+
+The substrate (1-3) and each reference (4) are separate cache entries with a sha256 manifest,
+built under a file lock by one process at a time (``ensure_substrate``).
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ import copy
 import dataclasses
 import hashlib
 import json
+import logging
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from fedunlearn.files import build_entry, cached_entry_ok, waiting_lock
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
 from fedunlearn.qa_format import encode_record, encode_text
@@ -37,6 +41,13 @@ from fedunlearn.training.full import train_full
 SUBSTRATE_FORMAT_VERSION = 2
 REFERENCE_ONLY_FIELDS = ("forget_percent", "forget_domains")
 PRETRAIN_TEXT_TOKENS = 96  # pre-training documents are cut to this many tokens
+SUBSTRATE_INFO = "build_info.json"  # written last by a build: the entry is complete
+REFERENCE_INFO = "reference_info.json"
+SUBSTRATE_PARTS = ("tokenizer", "pretrained", "knowledgeable", SUBSTRATE_INFO)
+SUBSTRATE_KIND = "substrate"
+REFERENCE_KIND = "reference model"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -143,24 +154,9 @@ def _finetune(
     return model, losses
 
 
-def _atomic_build(folder: Path, build) -> None:
-    """Run ``build(tmp)`` into a temporary sibling folder, then rename it into place, so an
-    interrupted build never leaves a half-written cache entry behind."""
-    tmp = folder.with_name(f"{folder.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    try:
-        build(tmp)
-        if folder.exists():  # a damaged entry (its info file missing)
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
 def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool = True) -> dict:
-    """Tokenizer, pre-trained and knowledgeable model into ``folder`` (must not exist yet)."""
+    """Tokenizer, pre-trained and knowledgeable model into ``folder`` (must not exist yet;
+    ``ensure_substrate`` builds into a temporary folder and moves it into the cache)."""
     t0 = time.perf_counter()
     scenario = cfg.build_scenario()
     tokenizer = train_bpe_tokenizer(
@@ -222,7 +218,7 @@ def build_substrate(cfg: SubstrateConfig, folder: Path, *, show_progress: bool =
     tokenizer.save_pretrained(folder / "tokenizer")
     pretrained.save_pretrained(folder / "pretrained")
     knowledgeable.save_pretrained(folder / "knowledgeable")
-    (folder / "build_info.json").write_text(json.dumps(info, indent=2))
+    (folder / SUBSTRATE_INFO).write_text(json.dumps(info, indent=2))
     return info
 
 
@@ -253,7 +249,7 @@ def build_reference(
     }
     folder.mkdir(parents=True)
     reference.save_pretrained(folder)
-    (folder / "reference_info.json").write_text(json.dumps(info, indent=2))
+    (folder / REFERENCE_INFO).write_text(json.dumps(info, indent=2))
     return info
 
 
@@ -275,17 +271,52 @@ def ensure_substrate(
     cfg: SubstrateConfig, cache_dir: Path | None = None, *, show_progress: bool = True
 ) -> Path:
     """The cached substrate folder for ``cfg``, with the knowledgeable model and the
-    reference for ``cfg.forget_percent``; each part is built first when missing."""
+    reference for ``cfg.forget_percent``; each part is built first when missing or damaged.
+
+    Holds the lock ``<folder>.lock`` meanwhile: a second process building the same substrate
+    waits, then reuses what the first built. Each entry (the substrate, each reference) is
+    verified against its ``manifest.json`` (sha256 of every file); a damaged one is rebuilt
+    alone (WARNING naming the file), the other entries are kept. An entry written before
+    manifests is adopted (manifest written once) when its tokenizer and models load with
+    finite weights, and rebuilt otherwise."""
     folder = substrate_folder(cfg, cache_dir)
-    if not (folder / "build_info.json").is_file():
-        _atomic_build(folder, lambda tmp: build_substrate(cfg, tmp, show_progress=show_progress))
     reference = reference_folder(cfg, cache_dir)
-    if not (reference / "reference_info.json").is_file():
-        _atomic_build(
-            reference,
-            lambda tmp: build_reference(cfg, folder, tmp, show_progress=show_progress),
-        )
+    with waiting_lock(folder.with_name(f"{folder.name}.lock"), "substrate build"):
+        if not cached_entry_ok(
+            folder, SUBSTRATE_INFO, SUBSTRATE_KIND, _check_legacy_substrate, SUBSTRATE_PARTS
+        ):
+            logger.info("building the substrate %s", folder)
+            build_entry(
+                folder,
+                SUBSTRATE_INFO,
+                SUBSTRATE_KIND,
+                lambda tmp: build_substrate(cfg, tmp, show_progress=show_progress),
+            )
+        if not cached_entry_ok(reference, REFERENCE_INFO, REFERENCE_KIND, _check_legacy_model):
+            logger.info("building the reference model %s", reference)
+            build_entry(
+                reference,
+                REFERENCE_INFO,
+                REFERENCE_KIND,
+                lambda tmp: build_reference(cfg, folder, tmp, show_progress=show_progress),
+            )
     return folder
+
+
+def _check_legacy_model(folder: Path) -> None:
+    """Raise unless the model in ``folder`` loads with finite weights."""
+    model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, tensor in model.state_dict().items():
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(f"{folder}: {name} holds non-finite values")
+
+
+def _check_legacy_substrate(folder: Path) -> None:
+    """Raise unless the substrate's info, tokenizer and both models load."""
+    json.loads((folder / SUBSTRATE_INFO).read_text())
+    PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    for part in ("pretrained", "knowledgeable"):
+        _check_legacy_model(folder / part)
 
 
 def load_substrate(
@@ -299,8 +330,8 @@ def load_substrate(
     reference = LlamaForCausalLM.from_pretrained(reference_dir, dtype=torch.float32)
     model.eval()
     reference.eval()
-    info = json.loads((folder / "build_info.json").read_text())
-    reference_info = json.loads((reference_dir / "reference_info.json").read_text())
+    info = json.loads((folder / SUBSTRATE_INFO).read_text())
+    reference_info = json.loads((reference_dir / REFERENCE_INFO).read_text())
     info["seconds"]["reference_finetune"] = reference_info["seconds"]
     info["losses"]["reference_finetune"] = reference_info["losses"]
     info.update({k: v for k, v in reference_info.items() if k not in ("seconds", "losses")})
