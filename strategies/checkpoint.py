@@ -196,7 +196,7 @@ class RunCheckpoint:
         self.claim()
         listed = self._listed_files()
         for path in self.folder.iterdir():
-            if path.name in listed or temp_target(path.name) in listed:
+            if path.name in listed or temp_target(path.name) in {MARKER_FILE, *listed}:
                 path.unlink()
         fsync_dir(self.folder)
 

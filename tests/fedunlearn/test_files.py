@@ -1,0 +1,137 @@
+"""fedunlearn.files: unique temporary names, atomic writes, manifests, cache entries, locks."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fedunlearn.files import (
+    IntegrityError,
+    build_entry,
+    exclusive_folder,
+    read_manifest,
+    temp_path,
+    temp_target,
+    verify_manifest,
+    waiting_lock,
+    write_file_atomic,
+    write_manifest,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_temporary_names_are_unique_and_recognised(tmp_path):
+    target = tmp_path / "state.json"
+    names = {temp_path(target).name for _ in range(50)}
+    assert len(names) == 50
+    assert all(n.startswith(f".state.json.tmp-{os.getpid()}-") for n in names)
+    assert {temp_target(n) for n in names} == {"state.json"}
+    assert temp_target("state.json") is None and temp_target(".state.json.tmp") is None
+
+
+def test_atomic_write_replaces_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "secret"
+    write_file_atomic(path, b"one", mode=0o600)
+    write_file_atomic(path, b"two", mode=0o600)
+    assert path.read_bytes() == b"two" and (path.stat().st_mode & 0o777) == 0o600
+    assert [p.name for p in tmp_path.iterdir()] == ["secret"]
+
+
+def test_a_manifest_names_the_missing_resized_or_altered_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.bin").write_bytes(b"abcdef")
+    (tmp_path / "b.txt").write_text("hello")
+    manifest = write_manifest(tmp_path, "test")
+    assert sorted(manifest["files"]) == ["b.txt", "sub/a.bin"]
+    assert read_manifest(tmp_path) == manifest
+    verify_manifest(tmp_path, manifest)
+    (tmp_path / "sub" / "a.bin").write_bytes(b"abcdeX")  # same size
+    with pytest.raises(IntegrityError, match=r"sub/a\.bin: its sha256 differs") as caught:
+        verify_manifest(tmp_path, manifest)
+    assert caught.value.path == tmp_path / "sub" / "a.bin"
+    (tmp_path / "sub" / "a.bin").write_bytes(b"abc")
+    with pytest.raises(IntegrityError, match=r"a\.bin: 3 bytes, the manifest records 6"):
+        verify_manifest(tmp_path, manifest)
+    (tmp_path / "b.txt").unlink()
+    with pytest.raises(IntegrityError, match=r"b\.txt: missing"):
+        verify_manifest(tmp_path, manifest)
+    (tmp_path / "manifest.json").write_text('{"files": ')
+    with pytest.raises(IntegrityError, match=r"manifest\.json: unreadable manifest"):
+        read_manifest(tmp_path)
+
+
+def test_rebuilding_an_entry_keeps_its_other_items(tmp_path):
+    entry = tmp_path / "entry"
+
+    def build(content: str):
+        def write(folder: Path) -> None:
+            folder.mkdir()
+            (folder / "model.bin").write_text(content)
+            (folder / "info.json").write_text(json.dumps({"content": content}))
+
+        return write
+
+    build_entry(entry, "info.json", "test", build("first"))
+    (entry / "sub-entry").mkdir()
+    (entry / "sub-entry" / "x").write_text("kept")
+    (entry / "eval-1.json").write_text("stale")
+    build_entry(entry, "info.json", "test", build("second"), stale=("eval-*.json",))
+    assert (entry / "model.bin").read_text() == "second"
+    assert (entry / "sub-entry" / "x").read_text() == "kept"
+    assert not (entry / "eval-1.json").exists()
+    verify_manifest(entry, read_manifest(entry))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["entry"]
+
+
+LOCKER = """
+import sys, time
+from pathlib import Path
+from fedunlearn.files import waiting_lock
+with waiting_lock(Path(sys.argv[1]), "test"):
+    print("locked", flush=True)
+    time.sleep(float(sys.argv[2]))
+"""
+
+
+def test_a_waiting_lock_waits_for_the_other_process(tmp_path):
+    lock = tmp_path / "x.lock"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCKER, str(lock), "1.5"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline() == "locked\n"
+    started = time.perf_counter()
+    with waiting_lock(lock, "test"):
+        waited = time.perf_counter() - started
+        assert holder.poll() is not None  # it finished before this process got the lock
+    holder.wait()
+    assert 0.5 < waited < 30
+
+
+def test_an_exclusive_folder_is_refused_while_held(tmp_path):
+    with exclusive_folder(tmp_path, "output-dir"):
+        pid = (tmp_path / ".fedunlearn-run.lock.pid").read_text().strip()
+        assert pid == str(os.getpid())
+        holder = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pathlib import Path; from fedunlearn.files import "
+                "exclusive_folder\nwith exclusive_folder(Path(sys.argv[1]), 'output-dir'): pass",
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        assert holder.returncode == 1
+        assert f"FolderInUseError: output-dir {tmp_path} is in use by PID {pid}" in holder.stderr
+    with exclusive_folder(tmp_path, "output-dir"):  # released: free again
+        pass
