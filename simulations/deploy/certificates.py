@@ -1,14 +1,21 @@
 """TLS certificates for a SuperLink and authentication keys for SuperNodes.
 
-Makes, with the ``cryptography`` package (a Flower dependency, so always installed):
+Makes, with the ``cryptography`` package (a Flower dependency, so always installed), one
+folder per party, so that each machine gets only what it needs:
 
-* ``ca.crt`` / ``ca.key``: a self-signed certificate authority. SuperNodes and the ``flwr``
-  CLI trust ``ca.crt`` (``--root-certificates`` / ``root-certificates``).
-* ``server.pem`` / ``server.key``: the SuperLink's certificate, signed by the CA, valid for
-  the given host names and IP addresses (default ``localhost`` and ``127.0.0.1``).
-* per SuperNode (``--node NAME``): ``NAME`` (EC P-384 private key, OpenSSH format, for
-  ``flower-supernode --auth-supernode-private-key``) and ``NAME.pub`` (its public key, for
-  ``flwr supernode register``).
+* ``ca/``: ``ca.key`` (the certificate authority's private key) and ``ca.crt`` (its
+  self-signed certificate). Only the operator keeps this folder, off the SuperLink and the
+  nodes: whoever holds ``ca.key`` can issue a certificate the nodes accept as the SuperLink.
+* ``superlink/``: ``server.pem`` / ``server.key`` (the SuperLink's certificate, signed by the
+  CA, valid for the given host names and IP addresses; default ``localhost`` and
+  ``127.0.0.1``) and ``ca.crt``.
+* ``nodes/NAME/`` per SuperNode (``--node NAME``): ``ca.crt`` (for ``--root-certificates``),
+  ``NAME`` (EC P-384 private key, OpenSSH format, for ``flower-supernode
+  --auth-supernode-private-key``) and ``NAME.pub`` (its public key, for ``flwr supernode
+  register``).
+
+Private keys are created with mode 0600 (the ``open`` that creates them sets it, whatever the
+umask) in folders created 0700, and an existing file is never overwritten.
 
     python -m simulations.deploy.certificates certs/ --host superlink.example.org \
         --ip 10.0.0.5 --node node-0 --node node-1
@@ -19,7 +26,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
-import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,17 +35,25 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from strategies.secret_files import make_private_dir, write_private_file
+
 DEFAULT_HOSTS = ("localhost",)
 DEFAULT_IPS = ("127.0.0.1",)
 
 
 @dataclass(frozen=True)
 class ServerCertificates:
-    """Paths of the files a TLS SuperLink and its clients need."""
+    """Paths of the CA's files (``ca/``, the operator's) and the SuperLink's (``superlink/``)."""
 
     ca_cert: Path
+    ca_key: Path
     server_cert: Path
     server_key: Path
+
+    @property
+    def superlink_ca_cert(self) -> Path:
+        """The copy of ``ca.crt`` in the SuperLink's folder."""
+        return self.server_cert.parent / "ca.crt"
 
 
 @dataclass(frozen=True)
@@ -49,11 +64,13 @@ class NodeKeys:
     public_key: Path
 
 
-def _write(path: Path, data: bytes, private: bool = False) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    if private:
-        os.chmod(path, 0o600)
+def _write_public(path: Path, data: bytes) -> None:
+    """Write a certificate or public key; like the private files, never over an existing one."""
+    try:
+        with open(path, "xb") as out:
+            out.write(data)
+    except FileExistsError:
+        raise FileExistsError(f"{path} already exists; it is not overwritten") from None
 
 
 def _name(common_name: str) -> x509.Name:
@@ -71,7 +88,8 @@ def make_server_certificates(
     ips: tuple[str, ...] = DEFAULT_IPS,
     days: int = 365,
 ) -> ServerCertificates:
-    """Write a CA and a SuperLink certificate for ``hosts`` / ``ips`` into ``folder``."""
+    """Write a CA into ``folder/ca`` and a SuperLink certificate for ``hosts`` / ``ips`` into
+    ``folder/superlink`` (see the module docstring)."""
     folder = Path(folder)
     now = datetime.datetime.now(datetime.UTC)
     not_before = now - datetime.timedelta(minutes=5)  # tolerate small clock skew
@@ -129,16 +147,30 @@ def make_server_certificates(
     pem = serialization.Encoding.PEM
     unencrypted = serialization.NoEncryption()
     pkcs8 = serialization.PrivateFormat.PKCS8
-    out = ServerCertificates(folder / "ca.crt", folder / "server.pem", folder / "server.key")
-    _write(out.ca_cert, ca_cert.public_bytes(pem))
-    _write(folder / "ca.key", ca_key.private_bytes(pem, pkcs8, unencrypted), private=True)
-    _write(out.server_cert, server_cert.public_bytes(pem))
-    _write(out.server_key, server_key.private_bytes(pem, pkcs8, unencrypted), private=True)
+    ca_dir = make_private_dir(folder / "ca")
+    server_dir = make_private_dir(folder / "superlink")
+    out = ServerCertificates(
+        ca_dir / "ca.crt", ca_dir / "ca.key", server_dir / "server.pem", server_dir / "server.key"
+    )
+    write_private_file(out.ca_key, ca_key.private_bytes(pem, pkcs8, unencrypted))
+    _write_public(out.ca_cert, ca_cert.public_bytes(pem))
+    write_private_file(out.server_key, server_key.private_bytes(pem, pkcs8, unencrypted))
+    _write_public(out.server_cert, server_cert.public_bytes(pem))
+    _write_public(out.superlink_ca_cert, ca_cert.public_bytes(pem))
     return out
 
 
+def make_node_folder(folder: Path, ca_cert: Path) -> Path:
+    """A SuperNode's own folder (0700) holding a copy of ``ca_cert`` as ``ca.crt`` (and, once
+    :func:`make_node_keys` wrote them, its key pair): all a node machine needs, no CA key."""
+    folder = make_private_dir(Path(folder))
+    if not (folder / "ca.crt").exists():
+        _write_public(folder / "ca.crt", Path(ca_cert).read_bytes())
+    return folder
+
+
 def make_node_keys(folder: Path, name: str) -> NodeKeys:
-    """Write a SuperNode key pair ``folder/name`` (private) and ``folder/name.pub``."""
+    """Write a SuperNode key pair ``folder/name`` (private, 0600) and ``folder/name.pub``."""
     key = ec.generate_private_key(ec.SECP384R1())
     out = NodeKeys(Path(folder) / name, Path(folder) / f"{name}.pub")
     private = key.private_bytes(
@@ -149,8 +181,9 @@ def make_node_keys(folder: Path, name: str) -> NodeKeys:
     public = key.public_key().public_bytes(
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
-    _write(out.private_key, private, private=True)
-    _write(out.public_key, public + f" {name}\n".encode())
+    make_private_dir(Path(folder))
+    write_private_file(out.private_key, private)
+    _write_public(out.public_key, public + f" {name}\n".encode())
     return out
 
 
@@ -170,13 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     hosts = tuple(args.host) if args.host else DEFAULT_HOSTS
     ips = tuple(args.ip) if args.ip else (DEFAULT_IPS if args.host is None else ())
-    certs = make_server_certificates(args.folder, hosts, ips, args.days)
-    print(f"CA certificate:     {certs.ca_cert}")
-    print(f"server certificate: {certs.server_cert} ({', '.join(hosts + ips)})")
-    print(f"server key:         {certs.server_key}")
-    for name in args.node:
-        keys = make_node_keys(args.folder / "nodes", name)
-        print(f"SuperNode {name}: {keys.private_key} (private), {keys.public_key} (register)")
+    try:
+        certs = make_server_certificates(args.folder, hosts, ips, args.days)
+        print(f"CA (keep it with the operator, off the SuperLink and nodes): {certs.ca_key.parent}")
+        print(f"SuperLink ({', '.join(hosts + ips)}): {certs.server_cert.parent}")
+        for name in args.node:
+            folder = make_node_folder(args.folder / "nodes" / name, certs.ca_cert)
+            keys = make_node_keys(folder, name)
+            print(f"SuperNode {name}: {folder} (register {keys.public_key})")
+    except FileExistsError as err:
+        print(f"error: {err}; choose an empty folder", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,13 +1,22 @@
 """Run fedunlearn on Flower's deployment engine on this machine: TLS and authenticated nodes.
 
-Makes a CA and a SuperLink certificate for 127.0.0.1 / localhost, starts a SuperLink with
-TLS and SuperNode authentication (``--enable-supernode-auth``), registers one key pair per
+Makes a CA (kept in ``certs/ca/``, never handed to a node) and a SuperLink certificate for
+127.0.0.1 / localhost (and the ``--bind`` address), starts a SuperLink listening on
+``--bind`` only (default 127.0.0.1: its single port serves the Fleet API *and* Flower's
+Control API, which has no authentication in OSS Flower — see the README) with TLS and
+SuperNode authentication (``--enable-supernode-auth``), registers one key pair per
 SuperNode (``flwr supernode register``), starts each SuperNode with its own
 ``--node-config`` (``role``, ``partition-id``, optionally its local ``data-path``), waits
 until they are online, submits the app with ``flwr run . <connection> --stream`` through a
 TLS connection written to a private ``FLWR_HOME``, and checks that the run finished
 completed and wrote ``results.json``. Every process it starts runs in its own session and is
 stopped by PID (SIGTERM, then SIGKILL) when it ends, also on failure.
+
+Each SuperNode gets its own folder ``certs/nodes/NAME/`` (0700): ``ca.crt`` and its own key
+pair, nothing else. Private keys are 0600 from creation. ``$FEDUNLEARN_MPU_SECRET``, when
+set, reaches the SuperLink (and so the ServerApp) only, through its environment, never a
+command line; SuperNodes and ``flwr`` commands run without it. The MPU secret is never put in
+a run config: use ``mpu-secret-file`` (a 0600 file) or that variable.
 
     python -m simulations.deploy.launch --run-config "model-path='/abs/ckpt'" \
         --node "role='forget' partition-id=0" --node "role='forget' partition-id=1" \
@@ -20,6 +29,7 @@ Without ``--node``, the scenario's clients are started: forget nodes (partition-
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import re
@@ -36,7 +46,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from simulations.deploy.certificates import NodeKeys, make_node_keys, make_server_certificates
+from fedunlearn.mpu.keys import DEFAULT_SECRET_ENV_VAR
+from simulations.deploy.certificates import (
+    DEFAULT_HOSTS,
+    DEFAULT_IPS,
+    NodeKeys,
+    make_node_folder,
+    make_node_keys,
+    make_server_certificates,
+)
+from simulations.deploy.processes import process_alive, process_family
 from simulations.run_local import (
     BIN_DIR,
     REPO_ROOT,
@@ -48,60 +67,17 @@ from simulations.run_local import (
     run_settings,
     stop_process,
 )
+from strategies.secret_files import check_secret_keys
 
 CONNECTION = "fedunlearn-deploy"
 COMPLETED = "finished:completed"
+LOOPBACK = "127.0.0.1"
+# a SuperLink bound to every interface is dialled here through the loopback interface
+WILDCARD_DIAL = {"0.0.0.0": "127.0.0.1", "::": "::1"}
 
 
 class DeploymentError(RuntimeError):
     """A deployment step failed; the message says which and where its log is."""
-
-
-# --- processes ------------------------------------------------------------------------------
-
-
-def _proc_stat(pid: int) -> tuple[str, int, int, int] | None:
-    """(state, ppid, session id, start time) of a live process, ``None`` if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rindex(")") + 2 :].split()
-    # fields[0] = state (field 3 of stat), [1] = ppid, [3] = session, [19] = starttime
-    return fields[0], int(fields[1]), int(fields[3]), int(fields[19])
-
-
-def _all_pids() -> list[int]:
-    return [int(p) for p in os.listdir("/proc") if p.isdigit()]
-
-
-def process_alive(pid: int, start_time: int) -> bool:
-    """Whether the process ``pid`` that started at ``start_time`` still runs (zombies don't)."""
-    stat = _proc_stat(pid)
-    return stat is not None and stat[3] == start_time and stat[0] not in ("Z", "X")
-
-
-def process_family(roots: Sequence[int]) -> dict[int, int]:
-    """``{pid: start time}`` of ``roots``, their descendants and their sessions' members.
-
-    Flower's helpers (``flower-superexec``, ServerApp / ClientApp processes) may start their
-    own sessions, so the tree is followed through parent ids as well as session ids.
-    """
-    stats = {pid: s for pid in _all_pids() if (s := _proc_stat(pid)) is not None}
-    children: dict[int, list[int]] = {}
-    for pid, (_, ppid, _, _) in stats.items():
-        children.setdefault(ppid, []).append(pid)
-    sessions = set(roots)  # a session outlives its leader: members are found even then
-    roots = [r for r in roots if r in stats]
-    found: dict[int, int] = {}
-    stack = list(roots) + [pid for pid, s in stats.items() if s[2] in sessions]
-    while stack:
-        pid = stack.pop()
-        if pid in found or pid not in stats:
-            continue
-        found[pid] = stats[pid][3]
-        stack.extend(children.get(pid, []))
-    return found
 
 
 @dataclass
@@ -127,6 +103,7 @@ class StartedNode:
     log_file: Path
     keys: NodeKeys | None
     node_id: int | None  # from the registration; None when not registered
+    folder: Path  # all this node was given: ca.crt and its own key pair
 
     @property
     def node_config(self) -> dict:
@@ -156,6 +133,20 @@ def _json_from(text: str) -> dict:
     return json.JSONDecoder().raw_decode(text[start:])[0]
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def dial_address(bind: str) -> str:
+    """The address local clients dial for a SuperLink bound to ``bind`` (an IP address)."""
+    try:
+        ipaddress.ip_address(bind)
+    except ValueError:
+        raise ValueError(f"bind address {bind!r} is not an IP address") from None
+    return WILDCARD_DIAL.get(bind, bind)
+
+
 def _tail(path: Path, lines: int = 25) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
@@ -164,10 +155,13 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 class LocalDeployment:
-    """A SuperLink (TLS, optional SuperNode authentication) and SuperNodes on 127.0.0.1.
+    """A SuperLink (TLS, optional SuperNode authentication) and SuperNodes on this machine.
 
-    Use as a context manager (or call :meth:`stop`): every process it started, with the
-    processes those started, is stopped by PID on exit.
+    The SuperLink listens on ``bind`` only (default 127.0.0.1; "0.0.0.0" = every interface);
+    its certificate names localhost, 127.0.0.1, the bind address and ``cert_hosts`` /
+    ``cert_ips`` (the names remote nodes dial). Use as a context manager (or call
+    :meth:`stop`): every process it started, with the processes those started, is stopped by
+    PID on exit.
     """
 
     def __init__(
@@ -177,20 +171,32 @@ class LocalDeployment:
         node_auth: bool = True,
         cache_dir: Path | None = None,
         echo: bool = True,
+        bind: str = LOOPBACK,
+        cert_hosts: Sequence[str] = (),
+        cert_ips: Sequence[str] = (),
     ) -> None:
+        self.bind = bind
+        self.address = dial_address(bind)  # raises before anything is written
         self.workdir = Path(workdir).resolve()
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.logs = self.workdir / "logs"
         self.logs.mkdir(exist_ok=True)
         self.node_auth = node_auth
         self.echo = echo
-        self.certs = make_server_certificates(self.workdir / "certs")
+        ips = dict.fromkeys([*DEFAULT_IPS, self.address, *cert_ips])  # unique, in order
+        hosts = dict.fromkeys([*DEFAULT_HOSTS, *cert_hosts])
+        self.certs = make_server_certificates(self.workdir / "certs", tuple(hosts), tuple(ips))
         self.flwr_home = self.workdir / "flwr_home"  # the flwr CLI's private config
         self.flwr_home.mkdir(exist_ok=True)
         self.cache_dir = (cache_dir or default_cache_dir()).resolve()
         self.env = flower_env(self.flwr_home)
         self.env["FEDUNLEARN_CACHE_DIR"] = str(self.cache_dir)
         self.env["COLUMNS"] = "400"  # the CLI's JSON output must not wrap
+        # the MPU secret goes to the SuperLink (the ServerApp) only, never to nodes or the CLI
+        secret = self.env.pop(DEFAULT_SECRET_ENV_VAR, None)
+        self.superlink_env = dict(self.env, FLWR_HOME=str(self.workdir / "superlink_home"))
+        if secret:
+            self.superlink_env[DEFAULT_SECRET_ENV_VAR] = secret
         self.port: int | None = None
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[StartedNode] = []
@@ -252,12 +258,12 @@ class LocalDeployment:
     # SuperLink ----------------------------------------------------------------------------
 
     def start_superlink(self, timeout: float = 90.0) -> int:
-        """Start the SuperLink with TLS (and node auth); returns its port once healthy."""
+        """Start the SuperLink with TLS (and node auth) on ``bind``; its port once healthy."""
         self.port = free_port()
         command = [
             str(BIN_DIR / "flower-superlink"),
             "--ssl-ca-certfile",
-            str(self.certs.ca_cert),
+            str(self.certs.superlink_ca_cert),
             "--ssl-certfile",
             str(self.certs.server_cert),
             "--ssl-keyfile",
@@ -267,18 +273,19 @@ class LocalDeployment:
             "subprocess",
             "--disable-runtime-dependency-installation",
             "--host",
-            "127.0.0.1",
+            self.bind,
             "--port",
             str(self.port),
             "--database",
             ":flwr-in-memory:",
         ]
-        env = dict(self.env, FLWR_HOME=str(self.workdir / "superlink_home"))
-        self.superlink = self._popen(command, "superlink.log", env=env, cwd=self.workdir)
+        self.superlink = self._popen(
+            command, "superlink.log", env=self.superlink_env, cwd=self.workdir
+        )
         (self.flwr_home / "config.toml").write_text(
             f'[superlink]\ndefault = "{CONNECTION}"\n\n'
             f"[superlink.{CONNECTION}]\n"
-            f'address = "127.0.0.1:{self.port}"\n'
+            f'address = "{host_port(self.address, self.port)}"\n'
             f'root-certificates = "{self.certs.ca_cert}"\n'
         )
         context = ssl.create_default_context(cafile=str(self.certs.ca_cert))
@@ -290,7 +297,7 @@ class LocalDeployment:
                     + _tail(self.logs / "superlink.log")
                 )
             try:
-                url = f"https://127.0.0.1:{self.port}/health"
+                url = f"https://{host_port(self.address, self.port)}/health"
                 with urllib.request.urlopen(url, timeout=2, context=context) as response:
                     if response.status == 200:
                         self.track()
@@ -339,11 +346,15 @@ class LocalDeployment:
 
     # SuperNodes ---------------------------------------------------------------------------
 
+    def node_folder(self, name: str) -> Path:
+        """SuperNode ``name``'s own folder (0700): ``ca.crt`` and, once made, its key pair."""
+        return make_node_folder(self.workdir / "certs" / "nodes" / name, self.certs.ca_cert)
+
     def node_credentials(self, name: str, register: bool = True) -> tuple[NodeKeys, int | None]:
         """A fresh key pair for SuperNode ``name``, registered (node id) unless told not to."""
         if self.port is None:
             raise DeploymentError("start the SuperLink first")
-        keys = make_node_keys(self.workdir / "keys", name)
+        keys = make_node_keys(self.node_folder(name), name)
         node_id = self.register(keys, name) if register and self.node_auth else None
         return keys, node_id
 
@@ -367,12 +378,14 @@ class LocalDeployment:
             keys, node_id = self.node_credentials(spec.name, spec.register)
         home = self.workdir / "nodes" / spec.name
         home.mkdir(parents=True, exist_ok=True)
+        # the folder its credentials were made in (they may have been made under another name)
+        folder = keys.private_key.parent if keys is not None else self.node_folder(spec.name)
         command = [
             str(BIN_DIR / "flower-supernode"),
             "--superlink",
-            f"127.0.0.1:{self.port}",
+            host_port(self.address, self.port),
             "--root-certificates",
-            str(self.certs.ca_cert),
+            str(folder / "ca.crt"),
             *(["--auth-supernode-private-key", str(keys.private_key)] if keys else []),
             "--node-config",
             spec.node_config,
@@ -385,7 +398,7 @@ class LocalDeployment:
         ]
         log_name = f"supernode-{spec.name}.log"
         process = self._popen(command, log_name, env=dict(self.env, FLWR_HOME=str(home)), cwd=home)
-        node = StartedNode(spec, process, self.logs / log_name, keys, node_id)
+        node = StartedNode(spec, process, self.logs / log_name, keys, node_id, folder)
         self.nodes.append(node)
         return node
 
@@ -433,7 +446,13 @@ class LocalDeployment:
             return []
 
     def run_app(self, run_config: str, output_dir: Path, timeout: float = 3600.0) -> RunOutcome:
-        """``flwr run . <connection> --stream``; waits for the run to finish."""
+        """``flwr run . <connection> --stream``; waits for the run to finish.
+
+        An inline ``mpu-secret`` is refused here: it would be on this command line and in the
+        SuperLink's run record (``mpu-secret-file`` or ``$FEDUNLEARN_MPU_SECRET`` instead).
+        """
+        pairs = parse_config_pairs(run_config) if run_config else {}
+        check_secret_keys(str(pairs.get("mpu-secret", "")), str(pairs.get("mpu-secret-file", "")))
         output_dir = Path(output_dir).resolve()
         overrides = f"output-dir='{output_dir}' cache-dir='{self.cache_dir}'"
         if run_config:
@@ -517,12 +536,17 @@ def deploy(
     cache_dir: Path | None = None,
     timeout: float = 3600.0,
     node_auth: bool = True,
+    bind: str = LOOPBACK,
+    cert_hosts: Sequence[str] = (),
+    cert_ips: Sequence[str] = (),
 ) -> RunOutcome:
     """Start SuperLink and SuperNodes, run the app once, stop everything; the run's outcome.
 
-    Raises ``DeploymentError`` when a step fails or the run does not finish completed with
-    a results file (``flwr run --stream`` exits 0 even when the ServerApp raised).
+    ``bind``: the address the SuperLink listens on (see :class:`LocalDeployment`). Raises
+    ``DeploymentError`` when a step fails or the run does not finish completed with a
+    results file (``flwr run --stream`` exits 0 even when the ServerApp raised).
     """
+    dial_address(bind)  # a bad address fails before any work
     user = parse_config_pairs(run_config) if run_config else {}
     settings = run_settings(user)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -533,9 +557,25 @@ def deploy(
     cache_dir = (cache_dir or default_cache_dir()).resolve()
     prepare_substrate(settings, cache_dir)
     nodes = list(nodes) if nodes else default_node_specs(run_config)
-    with LocalDeployment(workdir, node_auth=node_auth, cache_dir=cache_dir) as deployment:
+    deployment = LocalDeployment(
+        workdir,
+        node_auth=node_auth,
+        cache_dir=cache_dir,
+        bind=bind,
+        cert_hosts=cert_hosts,
+        cert_ips=cert_ips,
+    )
+    with deployment:
         port = deployment.start_superlink()
-        print(f"SuperLink (TLS{', node auth' if node_auth else ''}) on 127.0.0.1:{port}")
+        auth = ", node auth" if node_auth else ""
+        print(f"SuperLink (TLS{auth}) listening on {host_port(bind, port)}")
+        if not ipaddress.ip_address(bind).is_loopback:
+            print(
+                f"warning: port {port} serves Flower's Control API without authentication: "
+                "whoever reaches it can register nodes, list runs and run code here. Let only "
+                "the node machines reach it (firewall)",
+                file=sys.stderr,
+            )
         started = [deployment.start_node(spec) for spec in nodes]
         deployment.wait_online(started)
         for node in started:
@@ -574,6 +614,29 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="accept any SuperNode (TLS stays on)",
     )
+    parser.add_argument(
+        "--bind",
+        default=LOOPBACK,
+        metavar="IP",
+        help="address the SuperLink listens on (default 127.0.0.1, this machine only; "
+        "0.0.0.0 = every interface). Its port also serves Flower's unauthenticated Control "
+        "API: whoever reaches it can register nodes, list runs and run code. Open it only "
+        "to the node machines (firewall)",
+    )
+    parser.add_argument(
+        "--cert-host",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another DNS name remote nodes dial, for the SuperLink certificate (repeat)",
+    )
+    parser.add_argument(
+        "--cert-ip",
+        action="append",
+        default=[],
+        metavar="IP",
+        help="another IP address remote nodes dial, for the SuperLink certificate (repeat)",
+    )
     args = parser.parse_args(argv)
     nodes = [NodeSpec(f"node-{i}", text) for i, text in enumerate(args.node)] or None
     try:
@@ -584,8 +647,11 @@ def main(argv: list[str] | None = None) -> int:
             args.workdir,
             timeout=args.timeout,
             node_auth=not args.no_node_auth,
+            bind=args.bind,
+            cert_hosts=args.cert_host,
+            cert_ips=args.cert_ip,
         )
-    except (DeploymentError, ValueError) as err:
+    except (DeploymentError, ValueError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
     data = json.loads(outcome.results.read_text())
