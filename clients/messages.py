@@ -10,6 +10,7 @@ names), ``metrics`` (MetricRecord) and ``info`` (ConfigRecord: role, domain, obj
 from __future__ import annotations
 
 import json
+import math
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -94,19 +95,26 @@ def encode_client_reply(
 
 
 def decode_client_reply(node_id: int, content: RecordDict) -> tuple[ClientUpdate, dict]:
-    """Unpack a reply into a ``ClientUpdate`` and its metrics; errors name the node."""
+    """Unpack a reply into a ``ClientUpdate`` and its metrics; errors (``ValueError`` /
+    ``TypeError``) name the node. The server validates the reply before
+    (``strategies.reply_validation``); this only refuses what cannot be decoded at all."""
     for key in ("task_vector", "metrics", "info"):
         if key not in content:
             raise ValueError(f"client {node_id}: reply has no {key!r} record")
     info = content["info"]
     metrics = dict(content["metrics"])
+    if "num-examples" not in metrics:
+        raise ValueError(f"client {node_id}: reply's metrics have no 'num-examples'")
+    count = metrics["num-examples"]
+    if not isinstance(count, int | float) or not math.isfinite(count) or count != int(count):
+        raise ValueError(f"client {node_id}: num-examples {count!r} is not a whole number")
     task_vector = content["task_vector"].to_torch_state_dict()
     fisher = content["fisher"].to_torch_state_dict() if "fisher" in content else None
     update = ClientUpdate(
         node_id=node_id,
         role=str(info["role"]),
         domain=str(info["domain"]),
-        num_examples=int(metrics["num-examples"]),
+        num_examples=int(count),
         task_vector=task_vector,
         fisher=fisher,
     )

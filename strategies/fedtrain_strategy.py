@@ -2,14 +2,20 @@
 
 Every round each data client receives the global weights and its own config (stage, shard,
 the records a forget request removes), trains one round locally and returns its weights; the
-server averages them weighted by the number of examples each client trained on. Replies are
-checked before use (same tensor names and shapes as the global model, finite values); a
-client that fails is excluded with its reason, and a round with no valid reply fails with the
-previous global model kept.
+server averages them weighted by the number of examples each client trained on. Every field
+of a reply is checked before use (issue 13): its size (``max-upload-mb``, texts and metrics
+included), its stage and examples digest (short strings), every metric (a finite number;
+``num-examples`` a whole number from 1 to the records the server assigned to that client, so
+one client cannot take over the average), and its weights (the global model's names, shapes
+and dtype, finite, no entry above ``sanity.MAX_ABS_VALUE``, at most ``max-update-ratio`` × the
+global weights' norm away from them). A client that fails any check, or whose reply cannot be
+read at all, is excluded with its reason; a round with no valid reply, or a non-finite
+average, fails with the previous global model kept.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
@@ -22,7 +28,36 @@ from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
 from fedunlearn.dp2u import DataShard, fedavg
+from fedunlearn.merging.sanity import (
+    DEFAULT_MAX_UPDATE_RATIO,
+    check_ratio,
+    nonfinite_problem,
+    tensors_norm,
+)
 from strategies.merge_strategy import wait_for_nodes
+from strategies.reply_fields import (
+    MAX_REPORTED,
+    MetricRule,
+    clip,
+    exclusion_reason,
+    parse_all_metrics,
+    reply_bytes,
+    short_text,
+    shown,
+)
+from strategies.reply_validation import (
+    NO_REPLY_REASON,
+    ReplyRejected,
+    RoundFailedError,
+    auto_upload_limit,
+    check_dtype,
+    check_finite,
+    check_magnitude,
+    check_payload_size,
+    check_shape,
+    expected_shapes,
+    load_values,
+)
 
 
 class FedTrainStrategy(Strategy):
@@ -40,6 +75,11 @@ class FedTrainStrategy(Strategy):
         Rounds of this stage (sent as ``total-rounds``: DP-SGD plans its noise for all of them).
     node_wait_timeout : float (default: 120.0)
         Seconds to wait for enough nodes to connect.
+    max_upload_mb : float (default: 0.0)
+        Limit per reply in MiB, arrays and metadata together; 0 = the honest reply's size
+        (float64 weights plus ``reply_fields.METADATA_ALLOWANCE``).
+    max_update_ratio : float (default: 10)
+        Exclude a client whose weights are further than this × ‖θ‖ from the global θ (0 = off).
     """
 
     def __init__(
@@ -50,6 +90,8 @@ class FedTrainStrategy(Strategy):
         client_config: Mapping[str, Any] | None = None,
         num_rounds: int = 1,
         node_wait_timeout: float = 120.0,
+        max_upload_mb: float = 0.0,
+        max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
     ) -> None:
         if not shards:
             raise ValueError("FedTrainStrategy needs at least one data shard")
@@ -58,6 +100,10 @@ class FedTrainStrategy(Strategy):
         self.client_config = dict(client_config or {})
         self.num_rounds = num_rounds
         self.node_wait_timeout = node_wait_timeout
+        if not 0 <= max_upload_mb < math.inf:
+            raise ValueError(f"max-upload-mb must be >= 0 and finite, got {max_upload_mb}")
+        self.max_upload_bytes = int(max_upload_mb * 2**20)
+        self.max_update_ratio = check_ratio("max-update-ratio", max_update_ratio)
         self.node_shard: dict[int, DataShard] = {}
         self.global_arrays: ArrayRecord | None = None
         self.rounds: list[dict[str, Any]] = []  # per round: client reports, seconds
@@ -99,71 +145,137 @@ class FedTrainStrategy(Strategy):
             )
         return messages
 
-    def _check_reply(self, node_id: int, content: RecordDict) -> dict[str, torch.Tensor]:
-        for key in ("arrays", "metrics", "info"):
-            if key not in content:
-                raise ValueError(f"client {node_id}: reply has no {key!r} record")
-        state = content["arrays"].to_torch_state_dict()
-        expected = self.global_arrays.to_torch_state_dict()
-        if set(state) != set(expected):
-            diff = sorted(set(state) ^ set(expected))[:3]
-            raise ValueError(f"client {node_id}: weights {diff} missing or unexpected")
-        for name, value in state.items():
-            if value.shape != expected[name].shape:
-                raise ValueError(
-                    f"client {node_id}: tensor {name!r} has shape {tuple(value.shape)}, "
-                    f"expected {tuple(expected[name].shape)}"
+    def _read_reply(
+        self, node_id: int, reply: Message, global_state: Mapping[str, torch.Tensor], limit: int
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """A reply's weights and report fields, every field checked (raises on the first
+        problem): size, records, stage, digest, metrics, then the weights."""
+        if reply.has_error():
+            raise ReplyRejected(node_id, f"client error: {clip(str(reply.error.reason))}")
+        content = reply.content
+        check_payload_size(node_id, reply_bytes(content), limit)
+        for key, kind in (
+            ("arrays", ArrayRecord),
+            ("metrics", MetricRecord),
+            ("info", ConfigRecord),
+        ):
+            if key not in content or not isinstance(content[key], kind):
+                raise ReplyRejected(node_id, f"reply has no {key!r} {kind.__name__}")
+        info = content["info"]
+        stage = short_text(node_id, "stage", info.get("stage"))
+        if stage != self.stage:
+            raise ReplyRejected(node_id, f"replied for stage {stage!r}, not {self.stage!r}")
+        fields: dict[str, Any] = {
+            "examples_digest": short_text(node_id, "examples-digest", info.get("examples-digest"))
+        }
+        assigned = len(self.node_shard[node_id].training)
+        rules = {
+            # a client weighs at most the records the server gave it (FedAvg weight)
+            "num-examples": MetricRule("num_examples", "count", 1, assigned, required=True),
+            "total-seconds": MetricRule("total_seconds", low=0, high=MAX_REPORTED),
+        }
+        fields.update(parse_all_metrics(node_id, content["metrics"], rules))
+        return self._checked_weights(node_id, content["arrays"], global_state), fields
+
+    def _checked_weights(
+        self, node_id: int, arrays: ArrayRecord, global_state: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The client's weights: the global model's names, shapes and dtypes, finite, no entry
+        above ``sanity.MAX_ABS_VALUE``, and at most ``max-update-ratio`` × ‖θ‖ away from θ."""
+        if set(arrays) != set(global_state):
+            diff = sorted(set(arrays) ^ set(global_state))[:3]
+            raise ReplyRejected(
+                node_id, f"weights {[shown(d) for d in diff]} missing or unexpected"
+            )
+        state: dict[str, torch.Tensor] = {}
+        for name, array in arrays.items():
+            values = load_values(node_id, "weights", name, array)
+            expected = global_state[name]
+            check_dtype(node_id, "weights", name, values.dtype)
+            check_shape(node_id, "weights", name, values.shape, tuple(expected.shape))
+            check_finite(node_id, "weights", name, values)
+            check_magnitude(node_id, "weights", name, values)
+            value = torch.from_numpy(values)
+            if value.dtype != expected.dtype:
+                raise ReplyRejected(
+                    node_id,
+                    f"has dtype {value.dtype} but the global weight is {expected.dtype}",
+                    kind="weights",
+                    tensor=name,
                 )
-            if not bool(torch.isfinite(value).all()):
-                raise ValueError(f"client {node_id}: tensor {name!r} has non-finite values")
-        if float(content["metrics"].get("num-examples", 0)) <= 0:
-            raise ValueError(f"client {node_id}: reply reports no training examples")
+            state[name] = value
+        if self.max_update_ratio > 0:
+            step = tensors_norm(state[n] - global_state[n] for n in global_state)
+            scale = tensors_norm(global_state.values())
+            if scale > 0 and step > self.max_update_ratio * scale:
+                raise ReplyRejected(
+                    node_id,
+                    f"weights are {step:.4g} away from the global model's, more than "
+                    f"max-update-ratio ({self.max_update_ratio:g}) × its norm {scale:.4g}",
+                )
         return state
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
+        """FedAvg of the valid replies; a client whose reply fails a check is excluded with its
+        reason (``rounds[*]["clients"][*]["excluded"]``); no valid reply, or a non-finite
+        average, fails the round (``RoundFailedError``, the global model is kept)."""
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
+        global_state = self.global_arrays.to_torch_state_dict()
+        limit = self.max_upload_bytes or auto_upload_limit(
+            expected_shapes(self.global_arrays), tensors_per_copy=1
+        )
         order = {node_id: i for i, node_id in enumerate(self.node_shard)}
-        valid: list[tuple[int, dict[str, torch.Tensor], float]] = []
-        reports = []
+        valid: list[tuple[int, dict[str, torch.Tensor], int]] = []
+        reports: dict[int, dict[str, Any]] = {}
+        extra: list[dict[str, Any]] = []  # replies of nodes not asked, or second replies
         for reply in replies:
             node_id = reply.metadata.src_node_id
             report: dict[str, Any] = {"node_id": node_id, "position": order.get(node_id)}
-            if reply.has_error():
-                report["excluded"] = f"client error: {reply.error.reason}"
-                log(WARNING, "client %s failed: %s", node_id, reply.error.reason)
-                reports.append(report)
-                continue
             try:
-                state = self._check_reply(node_id, reply.content)
-            except ValueError as err:
-                report["excluded"] = str(err)
-                log(WARNING, "excluding client %s: %s", node_id, err)
-                reports.append(report)
+                if node_id not in order:
+                    raise ReplyRejected(node_id, "is not a node this round was sent to")
+                if node_id in reports:
+                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
+                reports[node_id] = report
+                state, fields = self._read_reply(node_id, reply, global_state, limit)
+            except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
+                report["excluded"] = exclusion_reason(node_id, err)
+                log(WARNING, "excluding client %s: %s", node_id, report["excluded"])
+                if reports.get(node_id) is not report:
+                    extra.append(report)
                 continue
-            metrics = dict(reply.content["metrics"])
-            report.update({k.replace("-", "_"): v for k, v in metrics.items()})
-            report["examples_digest"] = str(reply.content["info"]["examples-digest"])
-            reports.append(report)
-            valid.append((order.get(node_id, len(order)), state, metrics["num-examples"]))
-        reports.sort(key=lambda r: (r["position"] is None, r["position"] or 0))
+            report.update(fields)
+            valid.append((order[node_id], state, fields["num_examples"]))
+        for node_id, position in order.items():
+            if node_id not in reports:
+                reason = str(ReplyRejected(node_id, NO_REPLY_REASON))
+                reports[node_id] = {"node_id": node_id, "position": position, "excluded": reason}
+                log(WARNING, "excluding client %s: %s", node_id, reason)
+        clients = sorted(reports.values(), key=lambda r: r["position"]) + extra
         self.rounds.append(
             {
                 "round": server_round,
-                "clients": reports,
+                "clients": clients,
                 "seconds": time.perf_counter() - self._round_started,
             }
         )
+        problems = [r["excluded"] for r in clients if "excluded" in r]
         if not valid:
-            raise RuntimeError(
+            raise RoundFailedError(
                 f"{self.stage} round {server_round}: no valid client weights; the global model "
-                f"is kept. Client problems: {[r.get('excluded') for r in reports]}"
+                f"is kept. Client problems: {problems}"
             )
         valid.sort(key=lambda v: v[0])  # client order, not arrival order: deterministic sums
         averaged = fedavg([v[1] for v in valid], [float(v[2]) for v in valid])
-        losses = [float(r["loss_last"]) for r in reports if "loss_last" in r]
+        problem = nonfinite_problem(averaged, "the averaged weights'")
+        if problem is not None:
+            raise RoundFailedError(
+                f"{self.stage} round {server_round}: {problem}; the global model is kept"
+            )
+        losses = [float(r["loss_last"]) for r in clients if "loss_last" in r]
         return ArrayRecord(averaged), MetricRecord(
             {"num-clients": len(valid), "loss-mean": sum(losses) / max(1, len(losses))}
         )

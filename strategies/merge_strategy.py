@@ -6,11 +6,13 @@ into ``ClientUpdate`` objects, calls the merge, and returns θ₀ + Δ as the ne
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, NoReturn
 
+import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
@@ -19,10 +21,19 @@ from flwr.serverapp.strategy import Strategy
 from clients.messages import decode_client_reply
 from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
 from fedunlearn.merging.robust import apply_robust
+from fedunlearn.merging.sanity import (
+    DEFAULT_CLIENT_NORM_RATIO,
+    DEFAULT_MAX_UPDATE_RATIO,
+    check_ratio,
+    merged_update_problem,
+    nonfinite_problem,
+    norm_outliers,
+)
 from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 from strategies.node_roles import assign_nodes
+from strategies.reply_fields import clip, exclusion_reason, reply_bytes
 from strategies.reply_validation import (
     NO_REPLY_REASON,
     ReplyRejected,
@@ -34,7 +45,6 @@ from strategies.reply_validation import (
     check_same_key_sets,
     expected_shapes,
     merge_needs_fisher,
-    reply_array_bytes,
     validate_reply_content,
 )
 from strategies.results import json_safe
@@ -87,6 +97,13 @@ class MergeStrategy(Strategy):
         (``reply_validation.auto_upload_limit``).
     robust_norm_bound, fisher_cap : float (default: 0.0)
         ``fedunlearn.merging.robust`` options applied before the merge (0 = off).
+    client_norm_ratio : float (default: 100)
+        Exclude a client whose task-vector norm is above this × its role's median norm
+        (``client-norm-ratio``; roles with fewer than 3 valid clients are not checked; 0 = off;
+        ``fedunlearn.merging.sanity.norm_outliers``).
+    max_update_ratio : float (default: 10)
+        Fail the round when ‖η_srv·Δ‖ exceeds this × the norm of the weights Δ changes
+        (``max-update-ratio``; 0 = off). A non-finite Δ or new weights always fail the round.
     checkpoint : RunCheckpoint | None (default: None)
         Where the weights after every successful round are saved (with ``round_record()``),
         so that a killed run can resume (``strategies.checkpoint``).
@@ -111,6 +128,8 @@ class MergeStrategy(Strategy):
         max_upload_mb: float = 0.0,
         robust_norm_bound: float = 0.0,
         fisher_cap: float = 0.0,
+        client_norm_ratio: float = DEFAULT_CLIENT_NORM_RATIO,
+        max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
         checkpoint: RunCheckpoint | None = None,
         round_offset: int = 0,
     ) -> None:
@@ -123,13 +142,19 @@ class MergeStrategy(Strategy):
         self.client_config = dict(client_config or {})
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
         self.node_wait_timeout = node_wait_timeout
-        self.server_lr = server_lr
+        if not math.isfinite(server_lr):
+            raise ValueError(f"server-lr must be a finite number, got {server_lr}")
+        self.server_lr = float(server_lr)
         if min_replies < 0 or max_upload_mb < 0:
             raise ValueError("min-replies and max-upload-mb must be >= 0")
         self.min_replies = int(min_replies)
         self.max_upload_mb = float(max_upload_mb)
         self.robust_norm_bound = float(robust_norm_bound)
         self.fisher_cap = float(fisher_cap)
+        self.client_norm_ratio = check_ratio("client-norm-ratio", client_norm_ratio)
+        self.max_update_ratio = check_ratio("max-update-ratio", max_update_ratio)
+        self.update_ratio = math.nan  # ‖η·Δ‖ / ‖θ‖ of the last merged round
+        self._reports: dict[int, dict[str, Any]] = {}  # node id → its report, this round
         self.needs_fisher = merge_needs_fisher(self.merge_fn)
         self.node_assignment: dict[int, ClientAssignment] = {}
         self.global_arrays: ArrayRecord | None = None
@@ -218,116 +243,37 @@ class MergeStrategy(Strategy):
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
         """A validated reply (``reply_validation.validate_reply_content``) as a
-        ``ClientUpdate`` in the server's coordinates (MPU overrides)."""
-        validate_reply_content(node_id, content, self.reply_spec(node_id))
-        return decode_client_reply(node_id, content)
+        ``ClientUpdate`` in the server's coordinates and the report fields it gives
+        (objective, parsed metrics; MPU overrides)."""
+        fields = validate_reply_content(node_id, content, self.reply_spec(node_id))
+        update, _ = decode_client_reply(node_id, content)
+        return update, fields
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
-        """Validate every reply, exclude bad, crashed and missing clients (reason in
-        ``client_reports[*]["excluded"]``), then merge the rest — or raise
-        ``RoundFailedError`` (the global model is kept) when too few valid updates remain."""
+        """Validate every reply, exclude bad, crashed, missing and outlier clients (reason in
+        ``client_reports[*]["excluded"]``), merge the rest, check the merged update and the
+        new weights, checkpoint them — or raise ``RoundFailedError`` (the global model is kept,
+        nothing is checkpointed) when too few valid updates remain or the merged update is
+        non-finite or absurd (``fedunlearn.merging.sanity``)."""
         server_round += self.round_offset  # the run's round number (resumed runs continue it)
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
-        updates: list[ClientUpdate] = []
-        self.client_reports = []
-        reports: dict[int, dict[str, Any]] = {}
-        limit = self.upload_limit_bytes()
-
-        def exclude(report: dict[str, Any], reason: str) -> None:
-            report["excluded"] = reason
-            log(WARNING, "excluding client %s: %s", report["node_id"], reason)
-
-        for reply in replies:
-            node_id = reply.metadata.src_node_id
-            assignment = self.node_assignment.get(node_id)
-            report: dict[str, Any] = {"node_id": node_id}
-            if assignment is not None:
-                report.update(role=assignment.role, domain=assignment.domain)
-            self.client_reports.append(report)
-            try:
-                if assignment is None:
-                    raise ReplyRejected(node_id, "is not a node this round was sent to")
-                if node_id in reports:
-                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
-                reports[node_id] = report
-                if reply.has_error():
-                    raise ReplyRejected(
-                        node_id,
-                        f"crashed: error reply (code {reply.error.code}) instead of an update: "
-                        f"{reply.error.reason}",
-                    )
-                check_payload_size(node_id, reply_array_bytes(reply.content), limit)
-                update, metrics = self.decode_reply(server_round, node_id, reply.content)
-            except (ValueError, KeyError, TypeError) as err:
-                exclude(report, str(err))
-                continue
-            updates.append(update)
-            report.update(
-                role=update.role,
-                domain=update.domain,
-                num_examples=update.num_examples,
-                objective=str(reply.content["info"].get("objective", "")),
-                bytes_sent=int(metrics.get("bytes-sent", 0)),
-                task_vector_norm=float(metrics.get("task-vector-norm", 0.0)),
-                seconds=float(metrics.get("total-seconds", 0.0)),
-                train_seconds=float(metrics.get("train_seconds", 0.0)),
-                fisher_seconds=float(metrics.get("fisher-seconds", 0.0)),
-                loss_first=float(metrics.get("loss_first", 0.0)),
-                loss_last=float(metrics.get("loss_last", 0.0)),
-                cuda=bool(metrics.get("cuda", 0.0)),
-            )
-            if "mpu-copies" in metrics:
-                report.update(
-                    mpu_copies=int(metrics["mpu-copies"]),
-                    bytes_received=int(metrics["bytes-received"]),
-                )
-        # Flower's start loop hands over only the replies that arrived before round-timeout
-        for node_id, assignment in self.node_assignment.items():
-            if node_id not in reports:
-                report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
-                self.client_reports.append(report)
-                exclude(report, str(ReplyRejected(node_id, NO_REPLY_REASON)))
-        # merge in the scenario's client order, not in the order replies arrived:
-        # the same run config then gives the same floating-point sums
-        order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
-        updates.sort(key=lambda u: order.get(int(u.node_id), len(order)))
-        odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
-        for node_id, reason in odd.items():
-            exclude(reports[node_id], reason)
-        updates = [u for u in updates if u.node_id not in odd]
+        self.client_reports, self._reports = [], {}
+        updates = self._collect_updates(server_round, replies)
+        updates = self._drop_inconsistent(updates)
         problem = check_min_replies(
             [(u.role, str(u.domain)) for u in updates],
             self.min_replies,
             {a.domain for a in self.node_assignment.values() if a.role == "forget"},
         )
         if problem is not None:
-            reasons = [r["excluded"] for r in self.client_reports if "excluded" in r]
-            raise RoundFailedError(
-                f"round {server_round}: {problem}; the global model is kept. "
-                f"Excluded clients: {reasons}"
-            )
+            self._fail(server_round, problem)
         self.last_updates = updates  # as uploaded (before the robust options)
-        if self.robust_norm_bound > 0 or self.fisher_cap > 0:
-            updates, robust = apply_robust(
-                updates, norm_bound=self.robust_norm_bound, fisher_cap=self.fisher_cap
-            )
-            for u in updates:
-                reports[int(u.node_id)].update(robust.get(str(u.node_id), {}))
-        started = time.perf_counter()
-        result = self.merge_fn(updates, **self.merge_kwargs)
-        if not isinstance(result, MergeResult):
-            raise TypeError(
-                f"merge {self.merge!r} returned {type(result).__name__}, not a MergeResult"
-            )
-        self.merge_seconds = time.perf_counter() - started
+        result = self._merge(self._robust(updates))
+        state = self._new_weights(server_round, result)
         self.last_merge = result
-        delta = result.delta
-        if self.server_lr != 1.0:
-            delta = {k: self.server_lr * v for k, v in delta.items()}
-        state = apply_delta(self.global_arrays.to_torch_state_dict(), delta)
         if self.checkpoint is not None:
             self.checkpoint.save(server_round, state, self.round_record())
             log(INFO, "round %d saved to %s", server_round, self.checkpoint.folder)
@@ -340,6 +286,114 @@ class MergeStrategy(Strategy):
         )
         return ArrayRecord(state), metrics
 
+    # ---- the steps of aggregate_train ----------------------------------------------------------
+
+    def _exclude(self, report: dict[str, Any], reason: str) -> None:
+        report["excluded"] = reason
+        log(WARNING, "excluding client %s: %s", report["node_id"], reason)
+
+    def _fail(self, server_round: int, problem: str) -> NoReturn:
+        reasons = [r["excluded"] for r in self.client_reports if "excluded" in r]
+        raise RoundFailedError(
+            f"round {server_round}: {problem}; the global model is kept. "
+            f"Excluded clients: {reasons}"
+        )
+
+    def _collect_updates(self, server_round: int, replies: Iterable[Message]) -> list[ClientUpdate]:
+        """One validated update per node that replied well, in the scenario's client order
+        (the same run config then gives the same floating-point sums); a report per node."""
+        updates: list[ClientUpdate] = []
+        limit = self.upload_limit_bytes()
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            assignment = self.node_assignment.get(node_id)
+            report: dict[str, Any] = {"node_id": node_id}
+            if assignment is not None:
+                report.update(role=assignment.role, domain=assignment.domain)
+            self.client_reports.append(report)
+            try:
+                if assignment is None:
+                    raise ReplyRejected(node_id, "is not a node this round was sent to")
+                if node_id in self._reports:
+                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
+                self._reports[node_id] = report
+                update, fields = self._read_reply(server_round, node_id, reply, limit)
+            except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
+                self._exclude(report, exclusion_reason(node_id, err))
+                continue
+            updates.append(update)
+            report.update(role=update.role, domain=update.domain, **fields)
+        # Flower's start loop hands over only the replies that arrived before round-timeout
+        for node_id, assignment in self.node_assignment.items():
+            if node_id not in self._reports:
+                report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
+                self.client_reports.append(report)
+                self._exclude(report, str(ReplyRejected(node_id, NO_REPLY_REASON)))
+        order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
+        return sorted(updates, key=lambda u: order.get(int(u.node_id), len(order)))
+
+    def _read_reply(
+        self, server_round: int, node_id: int, reply: Message, limit: int
+    ) -> tuple[ClientUpdate, dict[str, Any]]:
+        if reply.has_error():
+            raise ReplyRejected(
+                node_id,
+                f"crashed: error reply (code {reply.error.code}) instead of an update: "
+                f"{clip(str(reply.error.reason))}",
+            )
+        check_payload_size(node_id, reply_bytes(reply.content), limit)
+        return self.decode_reply(server_round, node_id, reply.content)
+
+    def _drop_inconsistent(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """Exclude clients off the round's key set, then task-vector norm outliers of their
+        role (``client-norm-ratio``; ``sanity.norm_outliers``)."""
+        odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
+        for node_id, reason in odd.items():
+            self._exclude(self._reports[node_id], reason)
+        updates = [u for u in updates if u.node_id not in odd]
+        outliers, norms = norm_outliers(updates, self.client_norm_ratio)
+        for node_id, norm in norms.items():
+            self._reports[node_id]["upload_norm"] = norm
+        for node_id, problem in outliers.items():
+            self._exclude(self._reports[node_id], str(ReplyRejected(node_id, problem)))
+        return [u for u in updates if u.node_id not in outliers]
+
+    def _robust(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
+        """The ``robust-norm-bound`` / ``fisher-cap`` options (both 0: ``updates`` as given)."""
+        if self.robust_norm_bound <= 0 and self.fisher_cap <= 0:
+            return updates
+        updates, robust = apply_robust(
+            updates, norm_bound=self.robust_norm_bound, fisher_cap=self.fisher_cap
+        )
+        for u in updates:
+            self._reports[int(u.node_id)].update(robust.get(str(u.node_id), {}))
+        return updates
+
+    def _merge(self, updates: list[ClientUpdate]) -> MergeResult:
+        started = time.perf_counter()
+        result = self.merge_fn(updates, **self.merge_kwargs)
+        if not isinstance(result, MergeResult):
+            raise TypeError(
+                f"merge {self.merge!r} returned {type(result).__name__}, not a MergeResult"
+            )
+        self.merge_seconds = time.perf_counter() - started
+        return result
+
+    def _new_weights(self, server_round: int, result: MergeResult) -> dict[str, torch.Tensor]:
+        """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``max-update-ratio``)
+        and that the new weights are finite; otherwise the round fails."""
+        delta = result.delta
+        if self.server_lr != 1.0:
+            delta = {k: self.server_lr * v for k, v in delta.items()}
+        weights = self.global_arrays.to_torch_state_dict()
+        problem, self.update_ratio = merged_update_problem(delta, weights, self.max_update_ratio)
+        if problem is None:
+            state = apply_delta(weights, delta)
+            problem = nonfinite_problem({k: state[k] for k in delta}, "the new weights'")
+            if problem is None:
+                return state
+        self._fail(server_round, f"the merged update is not safe to apply: {problem}")
+
     def round_record(self) -> dict[str, Any]:
         """What results.json reports about the last round (JSON-safe): ``clients``, ``merge``
         (report and seconds) and ``assignments``; also stored in the checkpoint."""
@@ -349,6 +403,7 @@ class MergeStrategy(Strategy):
                 "merge": {
                     **(self.last_merge.report if self.last_merge else {}),
                     "seconds": self.merge_seconds,
+                    "update_ratio": self.update_ratio,
                 },
                 "assignments": [
                     {

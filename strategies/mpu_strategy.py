@@ -228,12 +228,13 @@ class MpuStrategy(MergeStrategy):
         position = list(self.node_assignment).index(node_id)
         aggregator = HarmonicAggregator()
         fisher_sum: dict[str, torch.Tensor] | None = None
-        first_update, metrics = None, {}
+        first_update, fields = None, {}
         for k, alpha in enumerate(self.alphas):
             copy_content = _copy_reply(content, k, node_id)
             # every copy is checked in its own coordinates before T⁻¹ touches it
-            validate_reply_content(f"{node_id} copy {k}", copy_content, self.reply_spec(node_id))
-            update, metrics = decode_client_reply(node_id, copy_content)
+            spec = self.reply_spec(node_id)
+            fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
+            update, _ = decode_client_reply(node_id, copy_content)
             if first_update is not None and (update.fisher is None) != (fisher_sum is None):
                 raise ReplyRejected(f"{node_id} copy {k}", "sent a Fisher on some copies only")
             if (
@@ -268,9 +269,10 @@ class MpuStrategy(MergeStrategy):
                 else None
             ),
         )
-        metrics = {**metrics, "mpu-copies": float(len(self.alphas))}
-        metrics["bytes-received"] = float(self.bytes_to_clients.get(position, 0))
-        return combined, metrics
+        fields.update(
+            mpu_copies=len(self.alphas), bytes_received=self.bytes_to_clients.get(position, 0)
+        )
+        return combined, fields
 
 
 def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:

@@ -10,10 +10,17 @@ with one QUERY message (answered by ``clients.client_app.query``) and maps the s
 assignments onto the nodes that declared the matching role, in ``partition-id`` order.
 When no node declares a role (simulation, where the node config only has ``partition-id``
 and ``num-partitions``), node i in sorted node-id order gets assignment i, as before.
+
+No single node can abort the run from here (issue 13): a node whose answer cannot be read
+(an error, no ``node-info`` record, a ``role`` that is no short string, a ``partition-id``
+that is no whole number >= 0) is refused — logged with the problem and counted as having
+declared nothing, exactly like a node that did not answer. Where other nodes declare roles, a
+node that declared nothing stays idle as long as the declared nodes fill the scenario.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,6 +54,10 @@ class NodeRoleError(ValueError):
     """The roles the nodes declared do not fit the clients the scenario needs."""
 
 
+#: Longest ``role`` a node may declare (the scenario's roles are short names).
+MAX_ROLE_CHARS = 64
+
+
 def _partition_order(declaration: NodeDeclaration) -> tuple[bool, int, int]:
     pid = declaration.partition_id
     return (pid is None, pid if pid is not None else 0, declaration.node_id)
@@ -70,15 +81,16 @@ def assign_by_declared_roles(
     ``{node id: assignment}`` in the scenario's assignment order. Without any declared role:
     node i in sorted node-id order gets assignment i (surplus nodes stay idle). With declared
     roles: the k-th assignment of a role goes to the node with the k-th smallest
-    ``partition-id`` among the nodes declaring that role.
+    ``partition-id`` among the nodes declaring that role; nodes that declare no role (or
+    whose declaration was refused) stay idle.
 
     Raises
     ------
     NodeRoleError
-        when some nodes declare a role and others do not, a node declares a role the scenario
-        does not use, two nodes of a role share a ``partition-id``, or the number of nodes
-        declaring a role differs from the number of clients of that role; the message names
-        the nodes concerned.
+        when a node declares a role the scenario does not use, two nodes of a role share a
+        ``partition-id``, or the number of nodes declaring a role differs from the number of
+        clients of that role (the message also names the nodes that declared no role); the
+        message names the nodes concerned.
     """
     ordered = sorted(int(n) for n in node_ids)
     declared = [
@@ -89,12 +101,6 @@ def assign_by_declared_roles(
 
     problems: list[str] = []
     undeclared = [n for n in ordered if n not in {d.node_id for d in declared}]
-    if undeclared:
-        problems.append(
-            f"nodes {undeclared} declare no role while {len(declared)} other node(s) do: set "
-            f"{ROLE_KEY}='forget' or {ROLE_KEY}='retain' in every SuperNode's --node-config "
-            "(or in none)"
-        )
     needed = Counter(a.role for a in assignments)
     by_role: dict[str, list[NodeDeclaration]] = defaultdict(list)
     for declaration in declared:
@@ -122,11 +128,19 @@ def assign_by_declared_roles(
                     "give every node of a role its own partition-id"
                 )
         by_role[role] = nodes
+    if problems and undeclared:
+        problems.append(
+            f"nodes {undeclared} declare no role while {len(declared)} other node(s) do: set "
+            f"{ROLE_KEY}='forget' or {ROLE_KEY}='retain' in every SuperNode's --node-config "
+            "(or in none)"
+        )
     if problems:
         raise NodeRoleError(
             "the SuperNodes' declared roles do not match the scenario:\n  - "
             + "\n  - ".join(problems)
         )
+    if undeclared:
+        log(WARNING, "nodes %s declare no role while the others do: they stay idle", undeclared)
     queues = {role: list(nodes) for role, nodes in by_role.items()}
     mapping: dict[int, ClientAssignment] = {}
     for assignment in assignments:
@@ -139,14 +153,37 @@ def _count_text(needed: Counter) -> str:
 
 
 def declaration_from_record(node_id: int, record: ConfigRecord) -> NodeDeclaration:
-    """A node's QUERY reply (``role`` / ``partition-id`` when set) as a declaration."""
-    role = record.get(ROLE_KEY)
-    pid = record.get(PARTITION_KEY)
+    """A node's QUERY reply (``role`` / ``partition-id`` when set) as a declaration.
+
+    Raises ``NodeRoleError`` naming the node and the value when ``role`` is not a string of
+    at most :data:`MAX_ROLE_CHARS` characters or ``partition-id`` not a whole number >= 0.
+    """
+    role, pid = record.get(ROLE_KEY), record.get(PARTITION_KEY)
+    if role is not None and not (isinstance(role, str) and len(role) <= MAX_ROLE_CHARS):
+        raise NodeRoleError(
+            f"node {node_id} declares {ROLE_KEY}={_shown(role)}, not a name of at most "
+            f"{MAX_ROLE_CHARS} characters"
+        )
     return NodeDeclaration(
         node_id=int(node_id),
-        role=None if role is None or str(role) == "" else str(role),
-        partition_id=None if pid is None else int(pid),
+        role=None if role is None or role == "" else role,
+        partition_id=None if pid is None else _partition_id(node_id, pid),
     )
+
+
+def _partition_id(node_id: int, pid: object) -> int:
+    if isinstance(pid, float) and math.isfinite(pid) and pid.is_integer():
+        pid = int(pid)
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 0:
+        raise NodeRoleError(
+            f"node {node_id} declares {PARTITION_KEY}={_shown(pid)}, not a whole number >= 0"
+        )
+    return pid
+
+
+def _shown(value: object, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "…"
 
 
 def query_declarations(
@@ -154,8 +191,9 @@ def query_declarations(
 ) -> dict[int, NodeDeclaration]:
     """Ask every node (one QUERY message each) for the role it declared.
 
-    Nodes that answer with an error or not within ``timeout`` seconds count as having
-    declared nothing (logged).
+    Nodes that answer with an error, not within ``timeout`` seconds, or with a declaration
+    that cannot be read (``declaration_from_record``) count as having declared nothing
+    (logged with the node and the problem); answers of nodes not asked are ignored.
     """
     node_ids = [int(n) for n in node_ids]
     messages = [
@@ -168,10 +206,16 @@ def query_declarations(
         for node_id in node_ids
     ]
     declarations: dict[int, NodeDeclaration] = {}
+    answered: set[int] = set()
     for reply in grid.send_and_receive(messages, timeout=timeout):
         node_id = int(reply.metadata.src_node_id)
+        if node_id not in node_ids or node_id in answered:
+            log(WARNING, "ignoring a role reply from node %s (not asked, or a second one)", node_id)
+            continue
+        answered.add(node_id)
         if reply.has_error():
-            log(WARNING, "node %s did not answer the role query: %s", node_id, reply.error.reason)
+            reason = _shown(str(reply.error.reason), 500)
+            log(WARNING, "node %s did not answer the role query: %s", node_id, reason)
             continue
         if QUERY_KEY not in reply.content:
             log(WARNING, "node %s answered the role query without %r", node_id, QUERY_KEY)
@@ -180,7 +224,10 @@ def query_declarations(
         if not isinstance(record, ConfigRecord):
             log(WARNING, "node %s answered the role query with a %s", node_id, type(record))
             continue
-        declarations[node_id] = declaration_from_record(node_id, record)
+        try:
+            declarations[node_id] = declaration_from_record(node_id, record)
+        except NodeRoleError as err:
+            log(WARNING, "refusing the role declaration of %s; it counts as none", err)
     missing = sorted(set(node_ids) - set(declarations))
     if missing and len(missing) < len(node_ids):
         log(WARNING, "no role reply from nodes %s within %.0f s", missing, timeout)

@@ -9,14 +9,22 @@ in ``results.json`` as ``clients[*].excluded``.
 
 What a valid reply is:
 
-* its arrays take at most the upload limit (``max-upload-mb``; by default the largest honest
-  reply, a float64 task vector and Fisher for every weight of the global model per copy);
+* the whole reply (arrays, texts, metrics) takes at most the upload limit (``max-upload-mb``;
+  by default the largest honest reply: a float64 task vector and Fisher for every weight of
+  the global model per copy, plus ``reply_fields.METADATA_ALLOWANCE``);
+* its metrics are finite numbers of the right kind in range (``reply_fields.REPLY_METRICS``)
+  and its ``objective`` a short string;
 * it has the ``task_vector``, ``metrics`` and ``info`` records, a known role equal to the
   role the server assigned to that node, and the domain the server assigned to that node;
 * every task-vector tensor is a weight of the global model with the same shape, floating
-  point and finite; all clients of a round send the same key set (the majority set wins);
+  point, finite and no entry above ``sanity.MAX_ABS_VALUE`` in magnitude; all clients of a
+  round send the same key set (the majority set wins);
 * a Fisher diagonal, when sent (required for the merges in :data:`FISHER_MERGES`, from every
-  client), has exactly the task vector's keys and shapes, is floating point, finite and >= 0.
+  client), has exactly the task vector's keys and shapes, is floating point, finite, >= 0 and
+  bounded like the task vector.
+
+Any exception while a reply is read excludes that client (``MergeStrategy``); only
+:class:`RoundFailedError` ends a round.
 """
 
 from __future__ import annotations
@@ -31,6 +39,15 @@ from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedunlearn.merging import MERGES
 from fedunlearn.merging.base import ROLES
+from fedunlearn.merging.sanity import MAX_ABS_VALUE
+from strategies.reply_fields import (
+    METADATA_ALLOWANCE,
+    REPLY_METRICS,
+    ReplyRejected,
+    parse_metrics,
+    short_text,
+    shown,
+)
 
 #: Merges that weight clients by their Fisher diagonal and therefore need one from EVERY
 #: client (FIRM: ``firm._group`` refuses any client without Fisher, forget and retain alike).
@@ -46,25 +63,10 @@ REQUIRED_RECORDS: tuple[str, ...] = ("task_vector", "metrics", "info")
 _MB = 2**20
 
 
-class ReplyRejected(ValueError):
-    """A reply the server refuses to merge; the message names client, tensor and problem.
-
-    Attributes: ``node`` (the client, e.g. its node id or ``"17 copy 1"``), ``problem``,
-    ``kind`` (``"task-vector"`` / ``"Fisher"`` or None) and ``tensor`` (a name or None).
-    """
-
-    def __init__(
-        self, node: Any, problem: str, *, kind: str | None = None, tensor: str | None = None
-    ) -> None:
-        self.node, self.problem, self.kind, self.tensor = node, problem, kind, tensor
-        where = f"client {node}"
-        if tensor is not None:
-            where += f": {kind} tensor {tensor!r}"
-        super().__init__(f"{where}: {problem}" if tensor is None else f"{where} {problem}")
-
-
 class RoundFailedError(RuntimeError):
-    """Too few valid replies to merge: the round fails and the global model is kept."""
+    """The round cannot be merged safely (too few valid replies, or a merged update that is
+    non-finite or absurd): the round fails, the global model is kept and nothing of the round
+    is checkpointed."""
 
 
 @dataclass(frozen=True)
@@ -101,29 +103,25 @@ def expected_shapes(arrays: ArrayRecord) -> dict[str, tuple[int, ...]]:
     return {name: tuple(int(d) for d in array.shape) for name, array in arrays.items()}
 
 
-def auto_upload_limit(shapes: Mapping[str, tuple[int, ...]], copies: int = 1) -> int:
-    """The largest honest reply in bytes: ``copies`` × (task vector + Fisher) in float64 for
-    every weight of the global model (``max-upload-mb = 0``)."""
+def auto_upload_limit(
+    shapes: Mapping[str, tuple[int, ...]], copies: int = 1, tensors_per_copy: int = 2
+) -> int:
+    """The largest honest reply in bytes: ``copies`` × ``tensors_per_copy`` (task vector and
+    Fisher; FedAvg: the weights) in float64 for every weight of the global model, plus the
+    metadata allowance (``max-upload-mb = 0``)."""
     numel = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
-    return int(copies) * 2 * 8 * numel
-
-
-def reply_array_bytes(content: RecordDict) -> int:
-    """Bytes of every array in the reply (all ArrayRecords, serialised sizes)."""
-    return sum(
-        len(array.data) for record in content.array_records.values() for array in record.values()
-    )
+    return int(copies) * int(tensors_per_copy) * 8 * numel + METADATA_ALLOWANCE
 
 
 # ---- one check each --------------------------------------------------------------------
 
 
 def check_payload_size(node: Any, nbytes: int, limit_bytes: int) -> None:
-    """The reply's arrays must not exceed ``limit_bytes`` (``max-upload-mb``)."""
+    """The reply (``reply_fields.reply_bytes``) must not exceed ``limit_bytes``."""
     if limit_bytes > 0 and nbytes > limit_bytes:
         raise ReplyRejected(
             node,
-            f"reply holds {nbytes / _MB:.1f} MB of arrays, over the upload limit of "
+            f"reply holds {nbytes / _MB:.1f} MB (arrays and metadata), over the upload limit of "
             f"{limit_bytes / _MB:.1f} MB (max-upload-mb)",
         )
 
@@ -147,15 +145,17 @@ def check_records(node: Any, content: RecordDict) -> None:
 def check_role(node: Any, role: str, expected: str | None) -> None:
     """The role must be known (``fedunlearn.merging.ROLES``) and the one the server assigned."""
     if role not in ROLES:
-        raise ReplyRejected(node, f"unknown role {role!r} (expected one of {ROLES})")
+        raise ReplyRejected(node, f"unknown role {shown(role)} (expected one of {ROLES})")
     if expected is not None and role != expected:
-        raise ReplyRejected(node, f"replied as role {role!r} but was assigned {expected!r}")
+        raise ReplyRejected(node, f"replied as role {shown(role)} but was assigned {expected!r}")
 
 
 def check_domain(node: Any, domain: str, expected: str | None) -> None:
     """The domain must be the one the server assigned to that node."""
     if expected is not None and domain != expected:
-        raise ReplyRejected(node, f"replied for domain {domain!r} but was assigned {expected!r}")
+        raise ReplyRejected(
+            node, f"replied for domain {shown(domain)} but was assigned {expected!r}"
+        )
 
 
 def check_task_vector_keys(
@@ -236,6 +236,21 @@ def check_finite(node: Any, kind: str, name: str, values: np.ndarray) -> None:
         )
 
 
+def check_magnitude(node: Any, kind: str, name: str, values: np.ndarray) -> None:
+    """No entry above ``sanity.MAX_ABS_VALUE`` in magnitude (finite values only)."""
+    if values.size == 0:
+        return
+    largest = float(max(values.max(), -values.min()))
+    if largest > MAX_ABS_VALUE:
+        raise ReplyRejected(
+            node,
+            f"has an entry of magnitude {largest:.3g}, above the bound {MAX_ABS_VALUE:g} "
+            "no honest upload comes near",
+            kind=kind,
+            tensor=name,
+        )
+
+
 def check_nonnegative(node: Any, kind: str, name: str, values: np.ndarray) -> None:
     """A Fisher diagonal (a mean of squared gradients) is never negative."""
     negative = int(np.count_nonzero(values < 0))
@@ -304,14 +319,22 @@ def check_min_replies(
 # ---- all per-reply checks in order ------------------------------------------------------
 
 
-def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> None:
+def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> dict[str, Any]:
     """Every per-reply check of one single-copy reply (``task_vector`` / ``fisher`` /
     ``metrics`` / ``info``) against ``spec``; raises :class:`ReplyRejected` on the first
-    problem. Decodes each array once, one at a time."""
+    problem. Decodes each array once, one at a time.
+
+    Returns the report fields the reply gives (``objective`` and the parsed
+    :data:`~strategies.reply_fields.REPLY_METRICS`: ``num_examples``, ``bytes_sent``, ...).
+    """
     check_records(node, content)
     info = content["info"]
     check_role(node, str(info.get("role", "")), spec.role)
     check_domain(node, str(info.get("domain", "")), spec.domain)
+    fields: dict[str, Any] = {
+        "objective": short_text(node, "objective", info.get("objective"), required=False)
+    }
+    fields.update(parse_metrics(node, content["metrics"], REPLY_METRICS))
     task_vector: ArrayRecord = content["task_vector"]
     fisher: ArrayRecord | None = content["fisher"] if "fisher" in content else None
     check_fisher_present(node, fisher is not None, spec)
@@ -329,8 +352,10 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> N
             expected = spec.shapes[name] if spec.shapes is not None else tv_shapes.get(name)
             check_shape(node, kind, name, values.shape, expected)
             check_finite(node, kind, name, values)
+            check_magnitude(node, kind, name, values)
             if kind == "Fisher":
                 check_nonnegative(node, kind, name, values)
             else:
                 tv_shapes[name] = tuple(values.shape)
             del values
+    return fields

@@ -120,6 +120,8 @@ def main(grid: Grid, context: Context) -> None:
         "max_upload_mb": settings.max_upload_mb,
         "robust_norm_bound": settings.robust_norm_bound,
         "fisher_cap": settings.fisher_cap,
+        "client_norm_ratio": settings.client_norm_ratio,
+        "max_update_ratio": settings.max_update_ratio,
         "checkpoint": checkpoint,
         "round_offset": done,
     }

@@ -135,6 +135,9 @@ class RunSettings:
     max_upload_mb: float = 0.0  # 0 = the largest honest reply (float64 task vector + Fisher)
     robust_norm_bound: float = 0.0  # clip task vectors to this × role median norm; 0 = off
     fisher_cap: float = 0.0  # cap Fisher mass per tensor at this × role median; 0 = off
+    # sanity bounds against poisoned uploads (issue 13; fedunlearn.merging.sanity)
+    client_norm_ratio: float = 100.0  # exclude task vectors above this × role median; 0 = off
+    max_update_ratio: float = 10.0  # fail a round whose update exceeds this × ‖θ‖; 0 = off
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:

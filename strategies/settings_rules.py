@@ -241,6 +241,8 @@ RULES: dict[str, Rule] = {
     "max_upload_mb": NON_NEGATIVE,  # 0 = the largest honest reply
     "robust_norm_bound": OFF_OR_AT_LEAST_ONE,
     "fisher_cap": OFF_OR_AT_LEAST_ONE,
+    "client_norm_ratio": OFF_OR_AT_LEAST_ONE,  # fedunlearn.merging.sanity
+    "max_update_ratio": OFF_OR_AT_LEAST_ONE,
 }
 
 

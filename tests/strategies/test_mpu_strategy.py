@@ -89,8 +89,8 @@ def test_replies_map_back_and_cancel_the_noise_to_first_order(tiny_model, copies
         published = content[f"arrays-{k}"].to_torch_state_dict()
         updates.append({n: -eta * published[n] for n in names})
         fishers.append({n: published[n] ** 2 for n in names})
-    update, metrics = strategy.decode_reply(1, NODE, _reply(updates, fishers))
-    assert metrics["mpu-copies"] == copies
+    update, fields = strategy.decode_reply(1, NODE, _reply(updates, fishers))
+    assert fields["mpu_copies"] == copies and fields["num_examples"] == 2
     for name in names:
         expected = -eta * state[name]
         assert torch.allclose(update.task_vector[name], expected, atol=1e-6), name

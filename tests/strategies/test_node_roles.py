@@ -156,3 +156,56 @@ def test_simulation_node_config_falls_back_to_sorted_order(server_identity):
         8: FORGET_B,
         9: RETAIN,
     }
+
+
+# ---- issue 13: no node aborts the run with what it declares ---------------------------------
+
+
+def test_unreadable_partition_ids_are_refused_in_simulation(server_identity, caplog):
+    """Without declared roles a refused node still trains: its partition-id is not used."""
+    grid = ClientAppGrid(
+        {7: {"partition-id": "abc"}, 8: {"partition-id": 1}, 9: {"partition-id": float("inf")}}
+    )
+    assert query_declarations(grid, [7, 8, 9], timeout=5) == {8: declare(8, None, 1)}
+    assert "node 7 declares partition-id='abc', not a whole number >= 0" in caplog.text
+    assert "node 9 declares partition-id=inf" in caplog.text
+    assert assign_nodes(grid, [7, 8, 9], SCENARIO, timeout=5) == {
+        7: FORGET_A,
+        8: FORGET_B,
+        9: RETAIN,
+    }
+
+
+def test_a_refused_node_stays_idle_when_the_declared_nodes_fill_the_scenario(server_identity):
+    grid = ClientAppGrid(
+        {
+            11: {"role": "forget", "partition-id": 0},
+            12: {"role": "forget", "partition-id": 1.0},  # a whole float is read as 1
+            13: {"role": "retain", "partition-id": 0},
+            14: {"role": "forget", "partition-id": "x"},
+            15: {"role": "f" * 100, "partition-id": 2},
+        }
+    )
+    mapping = assign_nodes(grid, [11, 12, 13, 14, 15], SCENARIO, timeout=5)
+    assert mapping == {11: FORGET_A, 12: FORGET_B, 13: RETAIN}
+
+
+def test_a_refused_node_the_scenario_needs_is_named_in_the_error(server_identity, caplog):
+    grid = ClientAppGrid(
+        {
+            11: {"role": "forget", "partition-id": 0},
+            12: {"role": "forget", "partition-id": "abc"},
+            13: {"role": "retain", "partition-id": 0},
+        }
+    )
+    with pytest.raises(NodeRoleError) as err:
+        assign_nodes(grid, [11, 12, 13], SCENARIO, timeout=5)
+    assert "needs 2 forget node(s) but 1 declare" in str(err.value)
+    assert "nodes [12] declare no role" in str(err.value)
+    assert "node 12 declares partition-id='abc'" in caplog.text
+
+
+def test_undeclared_surplus_nodes_stay_idle():
+    declarations = {1: declare(1, "forget", 0), 2: declare(2, "forget", 1), 3: declare(3, "retain")}
+    mapping = assign_by_declared_roles([1, 2, 3, 4], SCENARIO, declarations)
+    assert mapping == {1: FORGET_A, 2: FORGET_B, 3: RETAIN}

@@ -224,7 +224,7 @@ def test_domain_other_than_assigned():
 
 def test_oversized_payload():
     big = _reply(12)
-    big.content["padding"] = ArrayRecord({"x": torch.zeros(100_000)})  # 0.4 MB of junk
+    big.content["padding"] = ArrayRecord({"x": torch.zeros(500_000)})  # 2 MB of junk
     reason = _merged_without(_strategy(), _replies(n12=big), 12)
     assert "over the upload limit" in reason and "max-upload-mb" in reason
     # an explicit limit: 0.001 MiB is less than any honest reply here
@@ -328,13 +328,15 @@ def _norm(delta: dict[str, torch.Tensor]) -> float:
 
 
 def test_robust_options_bound_a_scaled_client_and_leave_honest_rounds_alone():
-    robust = {"robust_norm_bound": 2.0, "fisher_cap": 20.0}
+    robust = {"robust_norm_bound": 2.0, "fisher_cap": 20.0, "client_norm_ratio": 0.0}
     honest = _delta(_strategy(), _replies())
     honest_robust = _delta(_strategy(**robust), _replies())
     for name in honest:  # nobody exceeds the bounds: bit for bit the same merge
         assert torch.equal(honest[name], honest_robust[name])
+    # ×1000 is above the default client-norm-ratio (excluded); with it off the robust options
+    # bound the client
     attack = _reply(12, tv={k: 1000 * v for k, v in _honest(12)[0].items()})
-    plain = _norm(_delta(_strategy(), _replies(n12=attack))) / _norm(honest)
+    plain = _norm(_delta(_strategy(client_norm_ratio=0.0), _replies(n12=attack))) / _norm(honest)
     strategy = _strategy(**robust)
     bounded = _norm(_delta(strategy, _replies(n12=attack))) / _norm(honest)
     assert plain > 100 and bounded < 2.0, (plain, bounded)
