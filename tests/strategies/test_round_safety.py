@@ -20,6 +20,7 @@ from strategies.checkpoint import RunCheckpoint
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.reply_validation import RoundFailedError
+from strategies.settings import RunSettings
 
 CONFIG = tiny_llama_config(64, hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 STATE = {k: v.detach().clone() for k, v in new_tiny_llama(CONFIG, seed=0).state_dict().items()}
@@ -319,3 +320,13 @@ def test_mpu_reply_with_a_broken_metric_or_huge_copy_is_excluded():
 def test_mpu_server_lr_nan_is_refused():
     with pytest.raises(ValueError, match="server-lr"):
         _mpu_strategy(server_lr=math.nan)
+
+
+@pytest.mark.parametrize("key", ["client-norm-ratio", "max-update-ratio"])
+def test_ratio_keys_are_off_or_at_least_one(key):
+    assert getattr(RunSettings.from_run_config({}), key.replace("-", "_")) > 1
+    assert getattr(RunSettings.from_run_config({key: 0.0}), key.replace("-", "_")) == 0
+    with pytest.raises(ValueError, match=key):
+        RunSettings.from_run_config({key: 0.5})
+    with pytest.raises(ValueError, match=key):
+        _strategy(**{key.replace("-", "_"): 0.5})
