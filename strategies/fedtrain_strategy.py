@@ -78,7 +78,7 @@ class FedTrainStrategy(Strategy):
     max_upload_mb : float (default: 0.0)
         Limit per reply in MiB, arrays and metadata together; 0 = the honest reply's size
         (float64 weights plus ``reply_fields.METADATA_ALLOWANCE``).
-    max_update_ratio : float (default: 10)
+    max_update_ratio : float (default: 100)
         Exclude a client whose weights are further than this × ‖θ‖ from the global θ (0 = off).
     """
 

@@ -101,7 +101,7 @@ class MergeStrategy(Strategy):
         Exclude a client whose task-vector norm is above this × its role's median norm
         (``client-norm-ratio``; roles with fewer than 3 valid clients are not checked; 0 = off;
         ``fedunlearn.merging.sanity.norm_outliers``).
-    max_update_ratio : float (default: 10)
+    max_update_ratio : float (default: 100)
         Fail the round when ‖η_srv·Δ‖ exceeds this × the norm of the weights Δ changes
         (``max-update-ratio``; 0 = off). A non-finite Δ or new weights always fail the round.
     checkpoint : RunCheckpoint | None (default: None)

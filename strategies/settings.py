@@ -137,7 +137,7 @@ class RunSettings:
     fisher_cap: float = 0.0  # cap Fisher mass per tensor at this × role median; 0 = off
     # sanity bounds against poisoned uploads (issue 13; fedunlearn.merging.sanity)
     client_norm_ratio: float = 100.0  # exclude task vectors above this × role median; 0 = off
-    max_update_ratio: float = 10.0  # fail a round whose update exceeds this × ‖θ‖; 0 = off
+    max_update_ratio: float = 100.0  # fail a round whose update exceeds this × ‖θ‖; 0 = off
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:

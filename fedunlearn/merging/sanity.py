@@ -36,10 +36,11 @@ MIN_CLIENTS_FOR_MEDIAN = 3
 #: ``client-norm-ratio`` default: a task vector 100× its role's median norm is no honest one.
 DEFAULT_CLIENT_NORM_RATIO = 100.0
 
-#: ``max-update-ratio`` default: an update 10× the norm of the weights it changes replaces
-#: them by noise. Honest unlearning rounds stay far below 1 (the default LoRA run on the
-#: built-in substrate: about 0.01; recorded as ``merge.update_ratio`` in results.json).
-DEFAULT_MAX_UPDATE_RATIO = 10.0
+#: ``max-update-ratio`` default: an update 100× the norm of the weights it changes replaces
+#: them by noise. Honest rounds measured (``merge.update_ratio`` in results.json): LoRA, 3
+#: steps, FIRM under MPU: 0.1; full fine-tuning of a tiny random model, 3 steps, ``sum`` of 2
+#: forget clients: 1.8 — longer full fine-tuning can go well past 10, hence the margin.
+DEFAULT_MAX_UPDATE_RATIO = 100.0
 
 
 def tensors_norm(tensors: Iterable[torch.Tensor]) -> float:
