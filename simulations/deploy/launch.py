@@ -63,6 +63,7 @@ from simulations.run_local import (
     flower_env,
     free_port,
     parse_config_pairs,
+    plan_run,
     prepare_substrate,
     run_settings,
     stop_process,
@@ -454,9 +455,8 @@ class LocalDeployment:
         pairs = parse_config_pairs(run_config) if run_config else {}
         check_secret_keys(str(pairs.get("mpu-secret", "")), str(pairs.get("mpu-secret-file", "")))
         output_dir = Path(output_dir).resolve()
-        overrides = f"output-dir='{output_dir}' cache-dir='{self.cache_dir}'"
-        if run_config:
-            overrides += f" {run_config}"
+        # the folders once, then the user's keys (a key twice is "invalid format" in Flower)
+        overrides = plan_run(run_config, "", output_dir, self.cache_dir).flower_run_config
         command = [
             str(BIN_DIR / "flwr"), "run", str(REPO_ROOT), CONNECTION, "--stream",
             "--run-config", overrides,
@@ -547,14 +547,10 @@ def deploy(
     results file (``flwr run --stream`` exits 0 even when the ServerApp raised).
     """
     dial_address(bind)  # a bad address fails before any work
-    user = parse_config_pairs(run_config) if run_config else {}
-    settings = run_settings(user)
+    plan = plan_run(run_config, "", output_dir, cache_dir)  # every key checked up front
+    settings, output_dir, cache_dir = plan.settings, plan.output_dir, plan.cache_dir
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
     workdir = (workdir or REPO_ROOT / ".flwr_home" / f"deploy-{stamp}").resolve()
-    if settings.cache_dir:
-        cache_dir = Path(settings.cache_dir)
-    cache_dir = (cache_dir or default_cache_dir()).resolve()
     prepare_substrate(settings, cache_dir)
     nodes = list(nodes) if nodes else default_node_specs(run_config)
     deployment = LocalDeployment(
