@@ -136,6 +136,8 @@ class Dp2uPipeline:
             client_config={**self.client_config, **config},
             num_rounds=rounds,
             node_wait_timeout=s.node_wait_timeout,
+            max_upload_mb=s.max_upload_mb,
+            max_update_ratio=s.max_update_ratio,
         )
         started = time.perf_counter()
         result = strategy.start(

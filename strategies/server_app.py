@@ -18,6 +18,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model, wire_state
 from fedunlearn.files import exclusive_folder
+from fedunlearn.mpu import plan_reparam
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
     CHECKPOINT_DIR,
@@ -76,6 +77,9 @@ def main(grid: Grid, context: Context) -> None:
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     reference = run_model.reference
     settings = settings.for_model(int(model.config.num_hidden_layers))
+    if settings.strategy == "mpu" and settings.mpu_mode == "mpu":
+        # an architecture the reparameterisation would break is refused before any evaluation
+        plan_reparam(model.config, permute_groups=settings.mpu_permute_groups)
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
     if settings.strategy == "dp2u":

@@ -95,6 +95,7 @@ from fedunlearn.files import waiting_lock
 with waiting_lock(Path(sys.argv[1]), "test"):
     print("locked", flush=True)
     time.sleep(float(sys.argv[2]))
+    print(f"releasing {time.time()!r}", flush=True)  # last thing before the lock is let go
 """
 
 
@@ -109,9 +110,11 @@ def test_a_waiting_lock_waits_for_the_other_process(tmp_path):
     assert holder.stdout.readline() == "locked\n"
     started = time.perf_counter()
     with waiting_lock(lock, "test"):
+        acquired = time.time()
         waited = time.perf_counter() - started
-        assert holder.poll() is not None  # it finished before this process got the lock
+    released = float(holder.stdout.readline().split()[1])
     holder.wait()
+    assert acquired >= released  # this process got the lock only after the other let it go
     assert 0.5 < waited < 30
 
 
