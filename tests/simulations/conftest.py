@@ -1,4 +1,5 @@
-"""A tiny random Llama checkpoint on disk, shared by the Flower tests of a module."""
+"""Shared by the Flower tests: a tiny random Llama checkpoint on disk (per module) and a small
+built-in substrate preset with one cache for the whole test session."""
 
 import pytest
 
@@ -19,3 +20,9 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
     new_tiny_llama(config, seed=0).save_pretrained(folder)
     tiny_tokenizer.save_pretrained(folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def substrate_cache(tmp_path_factory):
+    """One substrate cache for the session: each preset is built once, then reused."""
+    return tmp_path_factory.mktemp("substrate-cache")

@@ -1,8 +1,9 @@
-"""End to end: the README's main job as a real Flower simulation on Ray.
+"""End to end: the README's main job as a real Flower simulation on Ray, at test size.
 
 Starts a real simulation SuperLink, runs 5 forget + 1 retain ClientApps on Ray, merges
 with FIRM on the server and checks from ``results.json`` that the forget authors are gone
-while utility stays close to the original. Builds (or reuses) the cached default substrate.
+while utility stays close to the original. Uses the small substrate preset (built once per
+test session) with 20 authors, 2 of them forgotten, instead of the default 200-author model.
 """
 
 import json
@@ -10,18 +11,29 @@ import json
 import pytest
 
 from simulations import run_local
+from tests.simulations.presets import SMALL_SUBSTRATE
 
 pytestmark = pytest.mark.slow
 
-# Thresholds, chosen from measured default runs (fresh substrate: forget ROUGE-L 1.00 → 0.68
-# with the reference at 0.59, exact match 1.00 → 0.00, utility 0.530 → 0.528, retain ROUGE-L
-# 1.00 → 0.98) with head-room for float differences between machines:
+# The README's main job at test size: 20 authors, forget 10 % (2 authors over 5 forget clients),
+# FIRM γ = 5 (the default γ = 8 is tuned for the default substrate and overshoots this one).
+SMALL_TOFU = (
+    f"{SMALL_SUBSTRATE} num-authors=20 forget-percent=10.0 retain-samples=100 "
+    "eval-retain-samples=50 gamma=5.0"
+)
+
+# Thresholds, chosen from a measured run of SMALL_TOFU (forget ROUGE-L 0.994 → 0.475 with the
+# reference at 0.601, exact match 0.95 → 0.00, utility 0.567 → 0.555, retain ROUGE-L
+# 0.993 → 0.971, forget truth ratio 0.537 → 0.606 with the reference at 0.664) with head-room
+# for float differences between machines:
 # * ROUGE-L of a template-heavy answer never reaches 0 (the retain-only reference, which never
 #   saw the forget authors, scores ~0.6), so forgetting is measured as the share of the gap
 #   between the original and the reference that unlearning closes: at least 60 %;
 # * forget exact match must fall from >= 0.9 to <= 0.25;
 # * "close to the original": model utility may lose at most 0.05 and retain ROUGE-L at most
-#   0.05 (absolute).
+#   0.05 (absolute);
+# * with 20 forget questions the KS forget-quality test moves in coarse steps, so the test asks
+#   that the forget truth ratio moves toward the reference's instead.
 MIN_GAP_CLOSED = 0.6
 MAX_FORGET_EXACT_MATCH = 0.25
 MAX_UTILITY_LOSS = 0.05
@@ -29,14 +41,19 @@ MAX_RETAIN_ROUGE_LOSS = 0.05
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
+def results(tmp_path_factory, substrate_cache):
     root = tmp_path_factory.mktemp("e2e")
-    path = run_local.run(output_dir=root / "out", flwr_home=root / "flwr_home")
+    path = run_local.run(
+        run_config=SMALL_TOFU,
+        output_dir=root / "out",
+        flwr_home=root / "flwr_home",
+        cache_dir=substrate_cache,
+    )
     return json.loads(path.read_text())
 
 
 def test_substrate_knows_the_authors(results):
-    assert results["substrate"]["author_recall_exact_match"] >= 0.95
+    assert results["substrate"]["author_recall_exact_match"] >= 0.9
     # the retain-only reference never saw the forget authors
     assert results["substrate"]["forget_recall_reference_exact_match"] <= 0.2
 
@@ -46,12 +63,12 @@ def test_clients_and_merge_report(results):
     assert sorted(c["role"] for c in clients) == ["forget"] * 5 + ["retain"]
     assert all("excluded" not in c for c in clients)
     forget = [c for c in clients if c["role"] == "forget"]
-    assert sum(c["num_examples"] for c in forget) == 20  # forget-1 %: 2 authors × 10 QA
-    assert [c["num_examples"] for c in clients if c["role"] == "retain"] == [200]
+    assert sum(c["num_examples"] for c in forget) == 20  # forget 10 %: 2 authors × 10 QA
+    assert [c["num_examples"] for c in clients if c["role"] == "retain"] == [100]
     assert all(c["bytes_sent"] > 0 and c["task_vector_norm"] > 0 for c in clients)
     merge = results["merge"]
     assert merge["method"] == "firm" and merge["norm_final"] > 0
-    assert len(merge["tensors"]) == 4 * 7  # 4 layers × 7 projections
+    assert len(merge["tensors"]) == 2 * 7  # 2 layers × 7 projections
     retain_id = str(next(c["node_id"] for c in clients if c["role"] == "retain"))
     assert all(retain_id in t["damage_after"] for t in merge["tensors"].values())
 
@@ -68,7 +85,8 @@ def test_forgot_the_forget_authors_and_kept_the_rest(results):
     assert after["forget_exact_match"] <= MAX_FORGET_EXACT_MATCH
     assert after["model_utility"] >= before["model_utility"] - MAX_UTILITY_LOSS
     assert after["retain_rouge_l"] >= before["retain_rouge_l"] - MAX_RETAIN_ROUGE_LOSS
-    assert after["forget_quality"] > before["forget_quality"]
+    ratio = reference["forget_truth_ratio"]
+    assert abs(after["forget_truth_ratio"] - ratio) < abs(before["forget_truth_ratio"] - ratio)
 
 
 SMALL_RUN = (
@@ -84,9 +102,11 @@ def checkpoint(tmp_path, tiny_model, tiny_tokenizer):
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("strategy", ["avg", "sum", "ties", "fulm", "fulm-mean"])
-def test_every_builtin_merge_through_flower(tmp_path, checkpoint, strategy):
-    """strategy= selects each baseline merge in a real simulation (FIRM: the tests above)."""
+@pytest.mark.parametrize("strategy", ["ties", "fulm-mean"])
+def test_baseline_merges_through_flower(tmp_path, checkpoint, strategy):
+    """strategy= selects a baseline merge in a real simulation (FIRM: the tests above; SUM in
+    test_studies and test_mpu_flower, FULM inside MPU there; every registered name resolves
+    through the same registry, tested in tests/strategies/test_merge_plugins.py)."""
     path = run_local.run(
         run_config=f"model-path='{checkpoint}' strategy='{strategy}' {SMALL_RUN}",
         output_dir=tmp_path / "out",

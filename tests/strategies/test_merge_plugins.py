@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from fedunlearn.merging import firm_merge
+from fedunlearn.merging import MERGES, firm_merge
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 
 PLUGIN = textwrap.dedent("""
@@ -58,3 +58,10 @@ def test_merge_receives_only_the_parameters_it_names(plugin_path):
         return kwargs
 
     assert merge_kwargs(takes_all, params) == params
+
+
+@pytest.mark.parametrize("name", sorted(MERGES))
+def test_every_registered_merge_resolves_to_its_kernel(name):
+    """strategy=<name> picks the registered kernel (one Flower run per merge is not needed:
+    test_end_to_end runs a few of them through the same registry)."""
+    assert resolve_merge(name) is MERGES[name]
