@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .base import ClientUpdate
+from .sanity import check_ratio
 
 
 def update_norm(update: ClientUpdate) -> float:
@@ -42,13 +43,6 @@ def update_norm(update: ClientUpdate) -> float:
 
 def _scaled(tensors: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
     return {k: (v.to(torch.float64) * factor).to(v.dtype) for k, v in tensors.items()}
-
-
-def _check_bound(name: str, value: float) -> float:
-    value = float(value)
-    if not (value == 0.0 or (math.isfinite(value) and value >= 1.0)):
-        raise ValueError(f"{name} must be 0 (off) or a finite number >= 1, got {value}")
-    return value
 
 
 def bound_task_vector_norms(
@@ -67,7 +61,7 @@ def bound_task_vector_norms(
         ``limit / norm``, Fisher unchanged) and a report ``{str(node_id): {"norm", "median",
         "norm_scale"}}`` for every client (``norm_scale`` = 1.0 when untouched).
     """
-    bound = _check_bound("robust-norm-bound", bound)
+    bound = check_ratio("robust-norm-bound", bound)
     if bound == 0.0:
         return list(updates), {}
     norms = [update_norm(u) for u in updates]
@@ -112,7 +106,7 @@ def cap_fisher_mass(
         and a report ``{str(node_id): {"fisher_scaled_tensors": int, "fisher_min_scale":
         float}}`` for every client with a Fisher.
     """
-    cap = _check_bound("fisher-cap", cap)
+    cap = check_ratio("fisher-cap", cap)
     if cap == 0.0:
         return list(updates), {}
     with_fisher = [u for u in updates if u.fisher is not None]

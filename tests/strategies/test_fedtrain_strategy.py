@@ -13,8 +13,6 @@ from flwr.app import (
     ConfigRecord,
     Error,
     Message,
-    MessageType,
-    Metadata,
     MetricRecord,
     RecordDict,
 )
@@ -23,6 +21,7 @@ from fedunlearn.dp2u import DataShard, fedavg
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from strategies.fedtrain_strategy import FedTrainStrategy
 from strategies.reply_validation import NO_REPLY_REASON, RoundFailedError
+from tests.strategies.replies import reply_metadata
 
 CONFIG = tiny_llama_config(64, hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 STATE = {k: v.detach().clone() for k, v in new_tiny_llama(CONFIG, seed=0).state_dict().items()}
@@ -62,21 +61,7 @@ def _reply(node: int, *, weights=None, metrics=None, info=None) -> Message:
             "info": ConfigRecord({"stage": "deploy", "examples-digest": DIGEST, **(info or {})}),
         }
     )
-    return Message(content, metadata=_from(node))
-
-
-def _from(node: int) -> Metadata:
-    return Metadata(
-        run_id=1,
-        message_id=f"reply-{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id=f"train-{node}",
-        group_id="deploy-1",
-        created_at=0.0,
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    return Message(content, metadata=reply_metadata(node, "deploy-1"))
 
 
 def _replies(**bad: Message | None) -> list[Message]:
@@ -168,7 +153,7 @@ def test_absurd_weights_are_excluded(weights, problem):
 
 
 def test_missing_and_crashed_clients_and_a_round_without_valid_replies():
-    crash = Message(Error(code=3, reason="killed"), metadata=_from(22))
+    crash = Message(Error(code=3, reason="killed"), metadata=reply_metadata(22, "deploy-1"))
     strategy = _strategy()
     with pytest.raises(RoundFailedError, match="deploy round 1: no valid client weights"):
         strategy.aggregate_train(1, [crash])

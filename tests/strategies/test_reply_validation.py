@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, Error, Message, MessageType, Metadata
+from flwr.app import ArrayRecord, Error, Message
 
 from clients.messages import encode_client_reply
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
@@ -22,6 +22,7 @@ from strategies.reply_validation import (
     check_same_key_sets,
     merge_needs_fisher,
 )
+from tests.strategies.replies import reply_metadata
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"
@@ -79,22 +80,7 @@ def _reply(
         fisher=honest_fisher if fisher == "honest" else fisher,
         metrics={"bytes-sent": 1.0},
     )
-    return Message(content, metadata=_from(node))
-
-
-def _from(node: int) -> Metadata:
-    """Metadata of a TRAIN reply sent by ``node`` (what the SuperLink hands the ServerApp)."""
-    return Metadata(
-        run_id=1,
-        message_id=f"reply-{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id=f"train-{node}",
-        group_id="1",
-        created_at=0.0,
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
+    return Message(content, metadata=reply_metadata(node))
 
 
 def _replies(**bad: Message) -> list[Message]:
@@ -237,7 +223,7 @@ def test_oversized_payload():
 
 
 def test_crashed_client_error_reply():
-    crash = Message(Error(code=7, reason="CUDA out of memory"), metadata=_from(13))
+    crash = Message(Error(code=7, reason="CUDA out of memory"), metadata=reply_metadata(13))
     reason = _merged_without(_strategy(), _replies(n13=crash), 13)
     assert "crashed" in reason and "code 7" in reason and "CUDA out of memory" in reason
 
@@ -309,7 +295,7 @@ def test_mpu_copies_are_validated_before_mapping_back():
         content[f"task_vector-{k}"] = ArrayRecord(tv)
         content[f"fisher-{k}"] = ArrayRecord({n: torch.ones_like(state[n]) for n in names})
     with pytest.raises(RoundFailedError, match="no valid forget update"):
-        strategy.aggregate_train(1, [Message(content, metadata=_from(11))])
+        strategy.aggregate_train(1, [Message(content, metadata=reply_metadata(11))])
     (reason,) = _excluded(strategy).values()
     assert reason.startswith(f"client 11 copy 1: task-vector tensor {names[1]!r}")
     assert "1 non-finite" in reason

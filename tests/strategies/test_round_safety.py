@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata, MetricRecord
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
 from clients.messages import encode_client_reply
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
@@ -21,6 +21,7 @@ from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.reply_validation import RoundFailedError
 from strategies.settings import RunSettings
+from tests.strategies.replies import reply_metadata
 
 CONFIG = tiny_llama_config(64, hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 STATE = {k: v.detach().clone() for k, v in new_tiny_llama(CONFIG, seed=0).state_dict().items()}
@@ -62,20 +63,6 @@ def _metrics(**changes: float | list) -> dict:
     return metrics
 
 
-def _from(node: int) -> Metadata:
-    return Metadata(
-        run_id=1,
-        message_id=f"reply-{node}",
-        src_node_id=node,
-        dst_node_id=0,
-        reply_to_message_id=f"train-{node}",
-        group_id="1",
-        created_at=0.0,
-        ttl=3600.0,
-        message_type=MessageType.TRAIN,
-    )
-
-
 def _reply(node: int, *, tv=None, num_examples: float = 4, metrics=None, objective="ga"):
     assignment = dict(zip(NODES, ASSIGNMENTS, strict=True))[node]
     honest_tv, fisher = _honest(node)
@@ -88,7 +75,7 @@ def _reply(node: int, *, tv=None, num_examples: float = 4, metrics=None, objecti
         fisher=fisher if tv is None else {k: torch.ones_like(v) for k, v in tv.items()},
         metrics=_metrics() if metrics is None else metrics,
     )
-    return Message(content, metadata=_from(node))
+    return Message(content, metadata=reply_metadata(node))
 
 
 def _replies(**bad: Message | None) -> list[Message]:
@@ -299,7 +286,7 @@ def _mpu_reply(*, copy1_scale: float = 1.0, dtype=torch.float32, metrics=None) -
         }
         content[f"task_vector-{k}"] = ArrayRecord(values)
         content[f"fisher-{k}"] = fisher
-    return Message(content, metadata=_from(11))
+    return Message(content, metadata=reply_metadata(11))
 
 
 def test_mpu_reply_with_a_broken_metric_or_huge_copy_is_excluded():
