@@ -158,7 +158,8 @@ def test_plugin_merge_through_flower(tmp_path, checkpoint, monkeypatch):
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "my_merges.py").write_text(PLUGIN)
-    monkeypatch.setenv("PYTHONPATH", str(plugins))
+    monkeypatch.setenv("PYTHONPATH", str(plugins))  # for the Flower processes
+    monkeypatch.syspath_prepend(str(plugins))  # run_local imports the merge up front
     path = run_local.run(
         run_config=f"model-path='{checkpoint}' strategy='my_merges:half_sum' gamma=0.5 {SMALL_RUN}",
         output_dir=tmp_path / "out",
