@@ -14,6 +14,9 @@ Across splits: forget quality (KS-test p-value of the forget truth ratios agains
 retain-only reference model) and model utility (harmonic mean of {prob, rouge_l, truth_ratio}
 on {retain, real_authors, world_facts}). All probabilities are length-normalised,
 ``P(a|q) = exp(-mean token NLL)``, and are combined in log space.
+
+:func:`aggregate_official_logs` runs the same per-question formulas (:func:`split_scores`) on
+the TOFU authors' published evaluation logs; its docstring lists the conventions that differ.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import re
 import string
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,11 +38,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.evaluation.generation import greedy_generate
 from fedunlearn.evaluation.likelihood import answer_nll
+from fedunlearn.evaluation.tofu_logs import read_official_log_dir
 
 __all__ = [
     "EXTRA_SPLITS",
+    "OFFICIAL_TRUNCATE",
     "SPLIT_KINDS",
     "UTILITY_SPLITS",
+    "aggregate_official_logs",
     "evaluate_split",
     "evaluate_tofu",
     "exact_match",
@@ -49,6 +56,7 @@ __all__ = [
     "normalized_probability",
     "rouge_l_recall",
     "rouge_l_scores",
+    "split_scores",
     "truth_ratio",
     "truth_ratio_from_nll",
     "truth_ratio_score",
@@ -66,6 +74,8 @@ EXTRA_SPLITS: tuple[str, ...] = ("real_authors", "world_facts")
 #: Splits whose {prob, rouge_l, truth_ratio} enter model utility.
 UTILITY_SPLITS: tuple[str, ...] = ("retain", "real_authors", "world_facts")
 _UTILITY_METRICS: tuple[str, ...] = ("prob", "rouge_l", "truth_ratio")
+#: The official TOFU evaluation scores the first 300 questions of each set.
+OFFICIAL_TRUNCATE = 300
 
 
 # ----------------------------------------------------------------------------- text metrics
@@ -217,6 +227,58 @@ def model_utility(values: Sequence[float]) -> float:
     return float(stats.hmean(arr))
 
 
+# ----------------------------------------------------------------- per-question -> split scores
+
+
+def split_scores(
+    nll_answer: torch.Tensor,
+    nll_correct: torch.Tensor,
+    nll_wrong: torch.Tensor,
+    rouge_l: torch.Tensor,
+    *,
+    kind: str,
+    truncate: int | None = None,
+) -> dict[str, Any]:
+    """``prob``, ``rouge_l``, ``truth_ratio`` and ``truth_ratios`` of one split from
+    per-question numbers (the model-free half of :func:`evaluate_split`).
+
+    Args:
+        nll_answer: ``[n]`` mean token NLLs of the answers.
+        nll_correct: ``[n]`` NLLs of the "correct" side of the truth ratio (paraphrased answer
+            on forget/retain, the answer itself on the extra sets).
+        nll_wrong: ``[n, k]`` NLLs of the perturbed answers (NaN = missing entry).
+        rouge_l: ``[n]`` ROUGE-L recall of the generations.
+        kind: ``"forget"``, ``"retain"`` or ``"extra"``; ``extra`` sets report the normalised
+            probability :func:`normalized_probability`, the others ``mean exp(-nll_answer)``.
+        truncate: score only the first ``truncate`` questions (the official TOFU logs cover
+            the first 300 of each set); ``None`` scores all of them.
+    """
+    if kind not in ("forget", "retain", "extra"):
+        raise ValueError(f"kind must be 'forget', 'retain' or 'extra', got {kind!r}")
+    if truncate is not None and truncate < 1:
+        raise ValueError(f"truncate must be a positive number of questions, got {truncate}")
+    n = len(nll_answer)
+    if not len(nll_correct) == len(nll_wrong) == len(rouge_l) == n or n == 0:
+        raise ValueError(
+            f"per-question inputs must be non-empty and of one length, got {n}, "
+            f"{len(nll_correct)}, {len(nll_wrong)}, {len(rouge_l)}"
+        )
+    keep = slice(0, truncate)
+    nll_answer, nll_correct = nll_answer[keep].double(), nll_correct[keep].double()
+    nll_wrong = nll_wrong[keep].double()
+    if kind == "extra":
+        prob = float(normalized_probability(nll_answer, nll_wrong).mean())
+    else:
+        prob = float(torch.exp(-nll_answer).mean())
+    tr = truth_ratio_from_nll(nll_wrong, nll_correct)
+    return {
+        "rouge_l": float(rouge_l[keep].double().mean()),
+        "prob": prob,
+        "truth_ratio": truth_ratio_score(tr, forget=kind == "forget"),
+        "truth_ratios": [float(x) for x in tr.tolist()],
+    }
+
+
 # ------------------------------------------------------------------------------ evaluation
 
 
@@ -291,23 +353,20 @@ def evaluate_split(
         nll_wrong[i, : len(ws)] = nll[pos : pos + len(ws)]
         pos += len(ws)
 
-    if uses_paraphrase:
-        prob = float(torch.exp(-nll_answer.double()).mean())
-    else:
-        prob = float(normalized_probability(nll_answer.double(), nll_wrong.double()).mean())
-    tr = truth_ratio_from_nll(nll_wrong.double(), nll_correct.double())
-
     generations = greedy_generate(
         model, tokenizer, questions, max_new_tokens=max_new_tokens, batch_size=batch_size
     )
-    rouge = rouge_l_recall(generations, answers)
+    scores = split_scores(
+        nll_answer,
+        nll_correct,
+        nll_wrong,
+        torch.tensor(rouge_l_recall(generations, answers), dtype=torch.float64),
+        kind=kind,
+    )
     em = exact_match(generations, answers)
     return {
-        "rouge_l": float(np.mean(rouge)),
+        **scores,
         "exact_match": float(np.mean(em)),
-        "prob": prob,
-        "truth_ratio": truth_ratio_score(tr, forget=kind == "forget"),
-        "truth_ratios": [float(x) for x in tr.tolist()],
         "samples": [
             {"question": q, "answer": a, "generation": g}
             for q, a, g in list(zip(questions, answers, generations, strict=True))[
@@ -382,4 +441,81 @@ def evaluate_tofu(
     result["model_utility"] = model_utility(utility_values) if utility_values else None
     if n_samples > 0:
         result["samples"] = samples
+    return result
+
+
+def aggregate_official_logs(
+    model_log_dir: str | Path,
+    retain_log_dir: str | Path,
+    *,
+    truncate: int | None = OFFICIAL_TRUNCATE,
+    extra_truth_ratio_pass: str = "truth_ratio",
+) -> dict[str, float]:
+    """TOFU aggregates of a folder of official per-question logs, with this module's formulas.
+
+    ``model_log_dir`` holds the four per-set logs of one model (see
+    :mod:`fedunlearn.evaluation.tofu_logs`); ``retain_log_dir`` those of the retain-only
+    reference model whose forget truth ratios define forget quality. Each split goes through
+    :func:`split_scores` (``truncate`` first questions; the default reproduces the official
+    logs, ``None`` uses every logged question as :func:`evaluate_tofu` does).
+
+    Conventions, compared with the official aggregation script: the official per-question
+    statistic is ``exp(mean perturbed loss - paraphrased loss)``, the inverse of this module's
+    ``TR``; the reported scores are the same (``min(x, 1/x)`` is symmetric,
+    ``max(0, 1 - 1/x) = max(0, 1 - TR)``) and so is the KS p-value (the test is invariant under
+    the strictly monotone map ``x -> 1/x``). The extra sets' probability is normalised over the
+    answer and its perturbed answers in both. Two differences, each a keyword here:
+
+    * ``truncate``: the official logs cover the first 300 questions of each set (forget10 has
+      400); :func:`evaluate_tofu` scores every question.
+    * ``extra_truth_ratio_pass``: on the extra sets (real authors, world facts) the "correct"
+      side of the truth ratio is the answer itself. The official code scores it twice, in the
+      probability pass (``avg_gt_loss``) and again, batched with the perturbed answers, in the
+      truth-ratio pass (``avg_paraphrased_loss``); batching makes the two differ by up to
+      0.09 nats, and the official truth ratio uses the latter (``"truth_ratio"``, the
+      default). :func:`evaluate_split` scores each answer once, which ``"probability"``
+      mimics.
+
+    Returns ``{split}_prob``, ``{split}_rouge_l``, ``{split}_truth_ratio`` for ``forget``,
+    ``retain``, ``real_authors`` and ``world_facts``, ``model_utility`` (harmonic mean of the
+    nine non-forget values) and ``forget_quality``.
+    """
+    if extra_truth_ratio_pass not in ("truth_ratio", "probability"):
+        raise ValueError(
+            "extra_truth_ratio_pass must be 'truth_ratio' or 'probability', "
+            f"got {extra_truth_ratio_pass!r}"
+        )
+    model_logs = read_official_log_dir(Path(model_log_dir))
+    reference_logs = read_official_log_dir(Path(retain_log_dir))
+    result: dict[str, float] = {}
+    forget_trs: list[float] = []
+    for name, log in model_logs.items():
+        kind = SPLIT_KINDS[name]
+        scores = split_scores(
+            log.nll_answer,
+            log.nll_answer
+            if kind == "extra" and extra_truth_ratio_pass == "probability"
+            else log.nll_paraphrased,
+            log.nll_perturbed,
+            log.rouge_l_recall,
+            kind=kind,
+            truncate=truncate,
+        )
+        for metric in _UTILITY_METRICS:
+            result[f"{name}_{metric}"] = scores[metric]
+        if name == "forget":
+            forget_trs = scores["truth_ratios"]
+    reference = reference_logs["forget"]
+    reference_trs = split_scores(
+        reference.nll_answer,
+        reference.nll_paraphrased,
+        reference.nll_perturbed,
+        reference.rouge_l_recall,
+        kind="forget",
+        truncate=truncate,
+    )["truth_ratios"]
+    result["forget_quality"] = forget_quality(forget_trs, reference_trs)
+    result["model_utility"] = model_utility(
+        [result[f"{name}_{metric}"] for name in UTILITY_SPLITS for metric in _UTILITY_METRICS]
+    )
     return result
