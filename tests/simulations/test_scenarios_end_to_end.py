@@ -1,10 +1,11 @@
 """End to end: the wmdp and muse scenarios as real Flower simulations.
 
-Each builds (or reuses) its cached built-in substrate — wmdp the small test preset, muse the
-default (the small preset learns the books too weakly: KnowMem forget 0.61) — runs the
-scenario's clients on Ray, merges with FIRM and checks from ``results.json`` that the forget
-knowledge went down while utility stayed within a bound. Thresholds come from measured runs
-(numbers in the comments) with head-room for float differences between machines.
+Each builds (or reuses) the small test substrate preset of its scenario (muse with 32
+knowledge fine-tuning epochs: with the default 16 the small model learns the books too
+weakly, KnowMem forget 0.61), runs the scenario's clients on Ray, merges with FIRM and checks
+from ``results.json`` that the forget knowledge went down while utility stayed within a bound.
+Thresholds come from measured runs (numbers in the comments) with head-room for float
+differences between machines.
 """
 
 import json
@@ -20,9 +21,11 @@ pytestmark = pytest.mark.slow
 # wmdp on the small substrate preset: FIRM γ = 8 (the default γ = 4 is tuned for the default
 # 4-layer substrate and barely moves this 2-layer one: forget accuracy 1.00 → 0.90)
 SMALL_WMDP = f"scenario='wmdp' {SMALL_SUBSTRATE} gamma=8.0"
+# muse on the small preset, fine-tuned twice as long so that it knows the books; FIRM γ = 4
+SMALL_MUSE = f"scenario='muse' {SMALL_SUBSTRATE} substrate-finetune-epochs=32 gamma=4.0"
 
 
-def _run(tmp_path_factory, run_config: str, name: str, cache_dir=None) -> dict:
+def _run(tmp_path_factory, run_config: str, name: str, cache_dir) -> dict:
     root = tmp_path_factory.mktemp(name)
     path = run_local.run(
         run_config=run_config,
@@ -34,8 +37,8 @@ def _run(tmp_path_factory, run_config: str, name: str, cache_dir=None) -> dict:
 
 
 @pytest.fixture(scope="module")
-def muse(tmp_path_factory):
-    return _run(tmp_path_factory, "scenario='muse'", "muse")
+def muse(tmp_path_factory, substrate_cache):
+    return _run(tmp_path_factory, SMALL_MUSE, "muse", substrate_cache)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +47,8 @@ def wmdp(tmp_path_factory, substrate_cache):
 
 
 def test_muse_clients_and_forgetting(muse):
-    # measured (γ = 3): KnowMem forget 0.875 → 0.558 (retrained reference 0.254), VerbMem
-    # 0.583 → 0.553, KnowMem retain 0.862 → 0.635; PrivLeak AUC stays 1.0 (reference 0.61)
+    # measured on SMALL_MUSE (γ = 4): KnowMem forget 1.00 → 0.58 (retrained reference 0.18),
+    # VerbMem 0.92 → 0.56, KnowMem retain 1.00 → 0.79; PrivLeak AUC stays 1.0 (reference 0.54)
     clients = muse["clients"]
     assert sorted(c["role"] for c in clients) == ["forget"] * 3 + ["retain"]
     assert all("excluded" not in c for c in clients)
