@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny real Llama and its tokenizer (built in a second, no downloads)."""
 
+import os
+
 import pytest
 import torch
 
@@ -30,3 +32,11 @@ def tiny_model(tiny_tokenizer):
         pad_token_id=tiny_tokenizer.pad_token_id,
     )
     return new_tiny_llama(config, seed=0)
+
+
+@pytest.fixture
+def umask_zero():
+    """Nothing masked: a file or folder gets exactly the mode its creation asks for."""
+    old = os.umask(0)
+    yield
+    os.umask(old)

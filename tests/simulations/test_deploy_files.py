@@ -27,14 +27,6 @@ def _mode(path: Path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.fixture
-def umask_zero():
-    """Nothing masked: every file and folder gets exactly the mode its creation asks for."""
-    old = os.umask(0)
-    yield
-    os.umask(old)
-
-
 def test_private_keys_and_their_folders_are_owner_only(tmp_path, umask_zero):
     certs = make_server_certificates(tmp_path)
     assert {p.name: _mode(p) for p in certs.ca_key.parent.iterdir()} == {

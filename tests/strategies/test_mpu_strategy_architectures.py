@@ -13,23 +13,11 @@ from fedunlearn.mpu import UnsupportedArchitectureError
 from fedunlearn.scenarios import ClientAssignment
 from strategies.mpu_strategy import MpuStrategy
 from strategies.results import json_safe
-
-TINY = dict(
-    vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    initializer_range=0.1,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
+from tests.fedunlearn.mpu.test_mpu_architectures import BASE  # the same tiny configs
 
 
 def _config(class_name: str, **extra):
-    config = getattr(transformers, class_name)(**TINY, **extra)
+    config = getattr(transformers, class_name)(**BASE, **extra)
     config._attn_implementation = "eager"
     return config
 
@@ -80,7 +68,7 @@ def test_qk_norm_model_copies_keep_the_logits_and_the_warning_is_recorded():
             if name.endswith(".bias") or "norm" in name:
                 param.add_(0.2 * torch.randn(param.shape, generator=gen))
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ids = torch.randint(0, TINY["vocab_size"], (2, 16), generator=gen)
+    ids = torch.randint(0, BASE["vocab_size"], (2, 16), generator=gen)
     with torch.no_grad():
         ref = model(input_ids=ids).logits
 

@@ -21,14 +21,6 @@ def _mode(path) -> int:
     return stat.S_IMODE(os.lstat(path).st_mode)
 
 
-@pytest.fixture
-def umask_zero():
-    """Nothing masked: a file is created with exactly the mode its ``open`` asks for."""
-    old = os.umask(0)
-    yield
-    os.umask(old)
-
-
 def _secret_file(folder, text: str, mode: int):
     path = folder / "secret"
     path.write_text(text)

@@ -38,8 +38,7 @@ LLAMA2_MODELS = [
 
 @pytest.fixture(scope="module")
 def expected() -> dict[str, dict[str, Any]]:
-    if not EXPECTED_FILE.is_file():
-        pytest.skip(f"{EXPECTED_FILE} is not available")
+    assert EXPECTED_FILE.is_file(), f"{EXPECTED_FILE} is missing: the tests need shared/data"
     return json.loads(EXPECTED_FILE.read_text(encoding="utf-8"))
 
 
@@ -113,8 +112,7 @@ def test_unknown_extra_truth_ratio_pass_is_refused_before_reading() -> None:
 
 def _damaged_copy(tmp_path: Path, model: str) -> Path:
     source = SHARED_LOGS / model
-    if not source.is_dir():
-        pytest.skip(f"{source} is not available")
+    assert source.is_dir(), f"{source} is missing: the tests need shared/data"
     copy = tmp_path / model
     copy.mkdir()
     for name in OFFICIAL_LOG_FILES.values():  # plain, writable copies of the per-set logs
