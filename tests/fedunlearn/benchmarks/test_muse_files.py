@@ -149,8 +149,7 @@ SHARED_MUSE = Path("/work/shared/data/muse-news")
 
 def _real_muse(root: Path, qa_count: int) -> list[dict]:
     """``raw/forget.txt`` (its first 2 kB) and the first ``qa_count`` forget QA of MUSE-News."""
-    if not SHARED_MUSE.is_dir():
-        pytest.skip(f"{SHARED_MUSE} is not available")
+    assert SHARED_MUSE.is_dir(), f"{SHARED_MUSE} is missing: the tests need shared/data"
     (root / "raw").mkdir(parents=True)
     text = (SHARED_MUSE / "raw" / "forget.txt").read_text(encoding="utf-8")[:2000]
     (root / "raw" / "forget.txt").write_text(text, encoding="utf-8")

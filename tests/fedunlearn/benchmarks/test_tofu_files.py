@@ -202,8 +202,7 @@ REAL_QA = 20  # the published files: 20 questions per author
 def _real_lines(name: str, count: int) -> list[str]:
     """The first ``count`` JSON lines of a real TOFU file (read only; copies go to tmp_path)."""
     path = SHARED_TOFU / name
-    if not path.is_file():
-        pytest.skip(f"{path} is not available")
+    assert path.is_file(), f"{path} is missing: the tests need shared/data"
     return path.read_text(encoding="utf-8").splitlines()[:count]
 
 

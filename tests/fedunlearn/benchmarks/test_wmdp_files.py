@@ -232,8 +232,7 @@ SHARED_WMDP = Path("/work/shared/data/wmdp-bio-200/wmdp_bio_200.jsonl")
 
 
 def _real_wmdp_lines(count: int) -> list[str]:
-    if not SHARED_WMDP.is_file():
-        pytest.skip(f"{SHARED_WMDP} is not available")
+    assert SHARED_WMDP.is_file(), f"{SHARED_WMDP} is missing: the tests need shared/data"
     return SHARED_WMDP.read_text(encoding="utf-8").splitlines()[:count]
 
 
