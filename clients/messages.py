@@ -28,6 +28,7 @@ def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -
         "tokenizer-json": tokenizer.backend_tokenizer.to_str(),
         "tokenizer-eos": tokenizer.eos_token,
         "tokenizer-pad": tokenizer.pad_token,
+        "tokenizer-chat-template": str(getattr(tokenizer, "chat_template", None) or ""),
     }
 
 
@@ -66,12 +67,17 @@ def _tied_keys(model: PreTrainedModel) -> set[str]:
 
 
 def rebuild_tokenizer(config: ConfigRecord) -> PreTrainedTokenizerFast:
-    """Tokenizer from ``tokenizer-json`` and its special tokens."""
-    return PreTrainedTokenizerFast(
+    """Tokenizer from ``tokenizer-json``, its special tokens and its chat template (QA prompts
+    are chat turns when there is one: :mod:`fedunlearn.qa_format`)."""
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(str(config["tokenizer-json"])),
         eos_token=str(config["tokenizer-eos"]),
         pad_token=str(config["tokenizer-pad"]),
     )
+    template = str(config.get("tokenizer-chat-template", ""))
+    if template:
+        tokenizer.chat_template = template
+    return tokenizer
 
 
 def encode_client_reply(

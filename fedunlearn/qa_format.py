@@ -1,8 +1,12 @@
 """How a question/answer pair is turned into text for the language model.
 
 Every part of the library (pre-training, fine-tuning, unlearning objectives, Fisher,
-evaluation) formats QA pairs through these two functions so the prompt the model was
-trained on is exactly the prompt it is evaluated on.
+evaluation) formats QA pairs through :func:`prompt_text` and :func:`answer_text`, so the
+prompt a model was trained on is exactly the prompt it is evaluated on. A tokenizer with a
+chat template (a pretrained instruction model such as SmolLM2) gets the question as one user
+turn of its own template and the answer as the assistant turn (ended by its EOS, e.g.
+``<|im_end|>``); a tokenizer without one (the built-in model) gets the plain
+``Question: ...\nAnswer: ...`` format of :func:`format_prompt` / :func:`format_answer`.
 """
 
 from __future__ import annotations
@@ -23,16 +27,36 @@ def format_answer(answer: str) -> str:
     return f" {answer.strip()}"
 
 
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether ``tokenizer`` carries a chat template (QA is then formatted as a chat turn)."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_text(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
+    """The prompt for ``question``: one user turn of the tokenizer's chat template followed by
+    the assistant header, or :func:`format_prompt` without a template."""
+    if not has_chat_template(tokenizer):
+        return format_prompt(question)
+    messages = [{"role": "user", "content": question.strip()}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def answer_text(tokenizer: PreTrainedTokenizerBase, answer: str) -> str:
+    """The target text after :func:`prompt_text` (the EOS token is added by the encoders)."""
+    return answer.strip() if has_chat_template(tokenizer) else format_answer(answer)
+
+
 def encode_qa(
     tokenizer: PreTrainedTokenizerBase, question: str, answer: str, max_length: int = 512
 ) -> tuple[list[int], list[int]]:
-    """Token ids and labels for one QA pair: prompt tokens are masked with -100.
+    """Token ids and labels for one QA pair (:func:`prompt_text` + :func:`answer_text`):
+    prompt tokens are masked with -100.
 
     The sequence is ``prompt + answer + EOS``; the answer tokens and the EOS carry labels.
     Sequences longer than ``max_length`` are truncated from the right.
     """
-    prompt_ids = tokenizer(format_prompt(question), add_special_tokens=False)["input_ids"]
-    answer_ids = tokenizer(format_answer(answer), add_special_tokens=False)["input_ids"]
+    prompt_ids = tokenizer(prompt_text(tokenizer, question), add_special_tokens=False)["input_ids"]
+    answer_ids = tokenizer(answer_text(tokenizer, answer), add_special_tokens=False)["input_ids"]
     answer_ids = answer_ids + [tokenizer.eos_token_id]
     ids = (prompt_ids + answer_ids)[:max_length]
     labels = ([-100] * len(prompt_ids) + answer_ids)[:max_length]

@@ -169,12 +169,17 @@ def run_settings(overrides: dict) -> RunSettings:
 def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     """Build the built-in model substrate here, with progress bars, before Flower starts.
 
-    The ServerApp then finds it in the cache. Runs with ``model-path`` skip this.
+    The ServerApp then finds it in the cache. Runs with ``model-path`` skip this; with a
+    registry ``model`` it converts the model and fine-tunes the knowledgeable model and the
+    reference on the scenario's data instead.
     """
     from fedunlearn.models.substrate import ensure_substrate
     from fedunlearn.scenarios import get_scenario
 
     if settings.model_path:
+        return
+    if settings.model != "builtin":
+        prepare_finetuned(settings, cache_dir)
         return
     print(
         "Preparing the built-in model substrate (built once, then cached in "
@@ -190,6 +195,26 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
         if isinstance(v, float) and (k in scenario.summary_metrics or k.endswith("_exact_match"))
     )
     print(f"substrate ready: {folder.name} ({knows})", flush=True)
+
+
+def prepare_finetuned(settings: RunSettings, cache_dir: Path) -> None:
+    """Convert registry model ``model`` and fine-tune it on the scenario's data (cached)."""
+    from fedunlearn.models.finetuned import FINETUNED_INFO, ensure_finetuned
+    from fedunlearn.models.pretrained import pretrained_checkpoint
+    from fedunlearn.scenarios import get_scenario
+    from strategies.run_setup import finetune_recipe
+
+    print(
+        f"Preparing {settings.model}: converted once, then fine-tuned on the {settings.scenario} "
+        f"data (knowledgeable model and retain-only reference), cached in {cache_dir.resolve()}",
+        flush=True,
+    )
+    base = pretrained_checkpoint(settings.model, cache_dir.resolve())
+    scenario = get_scenario(settings.scenario)(settings.scenario_params())
+    folder = ensure_finetuned(base, scenario, finetune_recipe(settings), cache_dir.resolve())
+    info = json.loads((folder / FINETUNED_INFO).read_text())
+    knows = ", ".join(f"{k} {v:.3f}" for k, v in info.items() if k.endswith("rouge_l"))
+    print(f"fine-tuned model ready: {folder.name} ({knows})", flush=True)
 
 
 @dataclass(frozen=True)

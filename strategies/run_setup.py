@@ -16,10 +16,17 @@ from typing import Any
 
 import torch
 from flwr.common.logger import log
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
+from fedunlearn.models.finetuned import FINETUNED_INFO, FinetuneRecipe, ensure_finetuned
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
-from fedunlearn.models.substrate import load_substrate
+from fedunlearn.models.pretrained import ensure_converted, pretrained_checkpoint
+from fedunlearn.models.substrate import default_cache_dir, load_substrate
 from fedunlearn.scenarios import Scenario, get_scenario
 from strategies.settings import RunSettings
 
@@ -41,20 +48,23 @@ class RunModel:
 
 
 def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunModel:
-    """A local checkpoint (``model-path``) or the built-in substrate (built when missing)."""
+    """A local checkpoint or GGUF file (``model-path``), a registry model fine-tuned on the
+    scenario's data (``model``), or the built-in substrate (each built when missing)."""
     scenario = get_scenario(settings.scenario)(settings.scenario_params())
+    cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
+    dtype = resolve_dtype(settings.dtype)
     if settings.model_path:
-        dtype = resolve_dtype(settings.dtype)
-        model, tokenizer = load_local_causal_lm(settings.model_path, dtype=dtype)
+        path = Path(settings.model_path).expanduser()
+        if path.suffix == ".gguf":
+            path = ensure_converted(path, cache_dir or default_cache_dir())
+        model, tokenizer = load_local_causal_lm(path, dtype=dtype)
         if torch.cuda.is_available():
             model.to("cuda")
         info = {"model_path": settings.model_path, "dtype": str(dtype).removeprefix("torch.")}
         return RunModel(model, tokenizer, scenario, None, info)
-    substrate = load_substrate(
-        settings.substrate_config(),
-        Path(settings.cache_dir).expanduser() if settings.cache_dir else None,
-        show_progress=show_progress,
-    )
+    if settings.model != "builtin":
+        return _finetuned_run_model(settings, scenario, cache_dir or default_cache_dir(), dtype)
+    substrate = load_substrate(settings.substrate_config(), cache_dir, show_progress=show_progress)
     return RunModel(
         substrate.model,
         substrate.tokenizer,
@@ -62,6 +72,34 @@ def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunM
         substrate.reference_model,
         {"folder": str(substrate.folder), **substrate.info},
     )
+
+
+def finetune_recipe(settings: RunSettings) -> FinetuneRecipe:
+    """How a registry model is fine-tuned on the scenario's data (``model-finetune-*``)."""
+    return FinetuneRecipe(
+        epochs=settings.model_finetune_epochs,
+        lr=settings.model_finetune_lr,
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+    )
+
+
+def _finetuned_run_model(
+    settings: RunSettings, scenario: Scenario, cache_dir: Path, dtype: torch.dtype
+) -> RunModel:
+    """Registry model ``model`` (converted once), fine-tuned on the scenario's data into the
+    knowledgeable model and the retain-only reference (cached: ``fedunlearn.models.finetuned``)."""
+    base = pretrained_checkpoint(settings.model, cache_dir)
+    folder = ensure_finetuned(base, scenario, finetune_recipe(settings), cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
+    model, _ = load_local_causal_lm(folder / "knowledgeable", dtype=dtype, tokenizer=tokenizer)
+    reference, _ = load_local_causal_lm(folder / "reference", dtype=dtype, tokenizer=tokenizer)
+    if torch.cuda.is_available():
+        model.to("cuda")
+        reference.to("cuda")
+    info = json.loads((folder / FINETUNED_INFO).read_text())
+    info.update({"folder": str(folder), "pretrained": str(base), "model": settings.model})
+    return RunModel(model, tokenizer, scenario, reference, info)
 
 
 def pretrained_state(settings: RunSettings, run_model: RunModel) -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from fedunlearn.benchmarks.wmdp import HAZARD_DOMAINS
 from fedunlearn.dp2u import ForgetRequest, parse_forget_request
 from fedunlearn.models.substrate import SubstrateConfig
@@ -19,6 +21,25 @@ from fedunlearn.training.lora import parse_layers
 from strategies.merge_plugins import check_merge_call, resolve_merge
 from strategies.secret_files import check_secret_keys
 from strategies.settings_rules import RunConfigError, check_value, close_matches, key_name
+
+#: defaults for a pretrained model (model != builtin) where a key is left on its default,
+#: sized for a CPU: LoRA on the query and value projections of every layer (a dense task
+#: vector + Fisher of about 106 MB per client for SmolLM2-135M, against 850 MB for all seven
+#: projections), two forget clients and one retain client holding the 40 QA of the default
+#: subset's two retain authors, fewer Fisher batches and retain steps, the chat answers'
+#: length for generation, and a lower learning rate than the tiny model's
+PRETRAINED_DEFAULTS: dict[str, Any] = {
+    "lora_targets": "q_proj,v_proj",
+    "num_forget_clients": 2,
+    "retain_samples": 40,
+    "fisher_batches": 4,
+    "retain_steps": 10,
+    "eval_max_new_tokens": 64,
+    "eval_batch_size": 16,
+    "eval_retain_samples": 20,
+    "forget_lr": 2e-4,
+    "retain_lr": 2e-4,
+}
 
 
 @dataclass(frozen=True)
@@ -42,6 +63,7 @@ class RunSettings:
     retain_layout: str = "random"
     data_path: str = ""
     # model
+    model: str = "builtin"  # builtin | smollm2-135m (a registry model, fine-tuned on the data)
     model_path: str = ""
     dtype: str = "auto"
     load_in_4bit: bool = False
@@ -53,6 +75,10 @@ class RunSettings:
     substrate_pretrain_epochs: int = 2
     substrate_finetune_epochs: int = 16
     substrate_background_documents: int = 1500
+    # a pretrained model (model != builtin): its fine-tuning on the scenario's data
+    tofu_subset_authors: int = 0  # real TOFU files: authors in play; 0 = all on CUDA, 4 on CPU
+    model_finetune_epochs: int = 6
+    model_finetune_lr: float = 1e-4
     # local training
     objective: str = "auto"
     forget_steps: int = 0  # 0 = the scenario's default
@@ -160,11 +186,14 @@ class RunSettings:
         the scenario's default (``Scenario.defaults``); explicit values are kept."""
         check_value("scenario", self.scenario, str)
         unset = {f.name: f.default for f in fields(self)}
+        defaults = dict(SCENARIOS[self.scenario].defaults)
+        if self.model != "builtin":
+            defaults.update(PRETRAINED_DEFAULTS)
         changes = {
-            name: value
-            for name, value in SCENARIOS[self.scenario].defaults.items()
-            if getattr(self, name) == unset[name]
+            name: value for name, value in defaults.items() if getattr(self, name) == unset[name]
         }
+        if self.tofu_subset_authors == 0 and self.data_path and self.model != "builtin":
+            changes["tofu_subset_authors"] = 200 if torch.cuda.is_available() else 4
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
@@ -187,11 +216,16 @@ class RunSettings:
             )
 
     def _validate_model_and_data(self) -> None:
-        """``data-path`` with ``model-path``, 4-bit with LoRA, WMDP's ``forget-domains``."""
-        if self.data_path and not self.model_path:
+        """``data-path`` with a real model, 4-bit with LoRA, WMDP's ``forget-domains``."""
+        if self.data_path and not self.model_path and self.model == "builtin":
             raise RunConfigError(
-                "data-path (real benchmark files) needs model-path: the built-in substrate is "
-                "trained on the generated data and its reference would not match the files"
+                "data-path (real benchmark files) needs a real model: model='smollm2-135m' "
+                "(fine-tuned on the files) or model-path; the built-in substrate is trained on "
+                "the generated data and its reference would not match the files"
+            )
+        if self.model_path and self.model != "builtin":
+            raise RunConfigError(
+                f"set either model ({self.model!r}) or model-path ({self.model_path!r}), not both"
             )
         if self.finetune == "full" and self.load_in_4bit:
             raise RunConfigError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
@@ -288,6 +322,7 @@ class RunSettings:
             data_path=self.data_path,
             num_authors=self.num_authors,
             qa_per_author=self.qa_per_author,
+            subset_authors=self.tofu_subset_authors,
             forget_percent=self.forget_percent,
             num_forget_domains=self.num_forget_domains,
             retain_layout=self.retain_layout,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fedunlearn.merging.projection import SOLVERS
+from fedunlearn.models.pretrained import model_names
 from fedunlearn.objectives import OBJECTIVES
 from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS
 from fedunlearn.training.lora import parse_layers
@@ -157,6 +158,7 @@ RULES: dict[str, Rule] = {
     "strategy": Parsed(check_strategy),
     "objective": OneOf(lambda: OBJECTIVES),
     "dtype": OneOf(lambda: DTYPES),
+    "model": OneOf(model_names),
     "finetune": OneOf(lambda: FINETUNE_MODES),
     "retain_layout": OneOf(lambda: RETAIN_LAYOUTS),
     "lora_layers": Parsed(check_lora_layers),
@@ -183,6 +185,10 @@ RULES: dict[str, Rule] = {
     "substrate_pretrain_epochs": COUNT,
     "substrate_finetune_epochs": COUNT,
     "substrate_background_documents": COUNT,
+    # a pretrained model fine-tuned on the scenario's data
+    "tofu_subset_authors": Number(low=3, special=((0.0, "auto"),)),
+    "model_finetune_epochs": POSITIVE_INT,
+    "model_finetune_lr": POSITIVE,
     # local training
     "forget_steps": POSITIVE_INT,
     "forget_lr": POSITIVE,

@@ -7,6 +7,7 @@ import torch
 
 from fedunlearn.benchmarks.tofu import generate_background_corpus, generate_tofu
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
+from fedunlearn.models.pretrained import pretrained_checkpoint
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
 
 
@@ -32,6 +33,13 @@ def tiny_model(tiny_tokenizer):
         pad_token_id=tiny_tokenizer.pad_token_id,
     )
     return new_tiny_llama(config, seed=0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_checkpoint(tmp_path_factory):
+    """SmolLM2-135M-Instruct converted from the registry package's GGUF file to a float32
+    checkpoint (once per test session, about 15 s)."""
+    return pretrained_checkpoint("smollm2-135m", tmp_path_factory.mktemp("pretrained-cache"))
 
 
 @pytest.fixture

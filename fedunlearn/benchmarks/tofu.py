@@ -421,6 +421,9 @@ class TofuData:
     real_authors: list[dict[str, Any]]
     world_facts: list[dict[str, Any]]
     seed: int
+    #: how many authors forget percentages count from (0 = :attr:`num_authors`); a subset of
+    #: the published 200 authors keeps 200 here so forget01 stays its two authors
+    forget_basis: int = 0
 
     def __post_init__(self) -> None:
         known = set(self.author_names)
@@ -438,7 +441,7 @@ class TofuData:
         """The last ``round(percent/100 * num_authors)`` authors (at least one; half rounds up)."""
         if not 0 < percent < 100:
             raise ValueError(f"forget percent must be in (0, 100), got {percent!r}")
-        count = max(1, int(percent * self.num_authors / 100 + 0.5))
+        count = max(1, int(percent * (self.forget_basis or self.num_authors) / 100 + 0.5))
         if count >= self.num_authors:
             raise ValueError(
                 f"forget percent {percent!r} selects {count} of {self.num_authors} authors, "
@@ -455,6 +458,31 @@ class TofuData:
         """QA of every author not forgotten at ``percent``: the complement of the forget split."""
         forget = set(self.forget_authors(percent))
         return [r for r in self.author_qa if r["author"] not in forget]
+
+    def subset(self, num_authors: int, forget_percent: float) -> TofuData:
+        """The same benchmark on ``num_authors`` authors that keeps its split structure: the
+        forget authors of ``forget_percent`` (the last ones, counted over all authors) plus
+        the FIRST ``num_authors`` − that many of the others (TOFU's ``retain_perturbed``,
+        the retain set its evaluation uses, is the first 20 authors). Real authors and world
+        facts are kept whole. ``num_authors`` ≥ :attr:`num_authors` returns ``self``."""
+        if num_authors >= self.num_authors:
+            return self
+        forget = self.forget_authors(forget_percent)
+        if num_authors <= len(forget):
+            raise ValueError(
+                f"a subset of {num_authors} authors leaves no retain author beside the "
+                f"{len(forget)} forget authors of forget-{forget_percent:g}%"
+            )
+        others = [a for a in self.author_names if a not in set(forget)]
+        keep = set(others[: num_authors - len(forget)]) | set(forget)
+        return TofuData(
+            author_names=[a for a in self.author_names if a in keep],
+            author_qa=[r for r in self.author_qa if r["author"] in keep],
+            real_authors=list(self.real_authors),
+            world_facts=list(self.world_facts),
+            seed=self.seed,
+            forget_basis=self.forget_basis or self.num_authors,
+        )
 
     def splits(self, percent: float) -> dict[str, list[dict[str, Any]]]:
         """``forget``, ``retain``, ``real_authors`` and ``world_facts`` record lists."""

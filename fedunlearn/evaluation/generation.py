@@ -13,7 +13,7 @@ from fedunlearn.evaluation.likelihood import (
     model_device,
     resolve_pad_id,
 )
-from fedunlearn.qa_format import format_prompt
+from fedunlearn.qa_format import prompt_text
 
 __all__ = ["greedy_from_ids", "greedy_generate"]
 
@@ -26,7 +26,7 @@ def greedy_generate(
     max_new_tokens: int = 48,
     batch_size: int = 32,
 ) -> list[str]:
-    """Greedy continuation of :func:`~fedunlearn.qa_format.format_prompt` for each question.
+    """Greedy continuation of :func:`~fedunlearn.qa_format.prompt_text` for each question.
 
     Prompts are grouped by length and LEFT-padded by hand (the tokenizer's ``padding_side`` is
     not touched); ``model.generate`` derives position ids from the attention mask, so a padded
@@ -44,7 +44,8 @@ def greedy_generate(
         The decoded continuations in input order, without prompt or special tokens, stripped.
     """
     prompts = [
-        tokenizer(format_prompt(q), add_special_tokens=False)["input_ids"] for q in questions
+        tokenizer(prompt_text(tokenizer, q), add_special_tokens=False)["input_ids"]
+        for q in questions
     ]
     return greedy_from_ids(
         model, tokenizer, prompts, max_new_tokens=max_new_tokens, batch_size=batch_size

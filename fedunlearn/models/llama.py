@@ -73,9 +73,13 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def load_local_causal_lm(
-    path: str | os.PathLike, *, dtype: torch.dtype = torch.float32
+    path: str | os.PathLike,
+    *,
+    dtype: torch.dtype = torch.float32,
+    tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a local Hugging Face checkpoint folder.
+    """Load a causal LM and its tokenizer (unless ``tokenizer`` is given) from a local Hugging
+    Face checkpoint folder.
 
     Never touches a model hub: ``local_files_only=True``. A tokenizer without a pad token
     gets its EOS token as pad token.
@@ -87,7 +91,8 @@ def load_local_causal_lm(
         raise FileNotFoundError(
             f"model-path {str(folder)!r} has no config.json: not a Hugging Face checkpoint"
         )
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     if tokenizer.eos_token_id is None:
         raise ValueError(f"the tokenizer in {str(folder)!r} defines no EOS token")
     if tokenizer.pad_token_id is None:

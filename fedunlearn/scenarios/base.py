@@ -51,6 +51,7 @@ class ScenarioParams:
     # tofu
     num_authors: int = 200
     qa_per_author: int = 10
+    subset_authors: int = 0  # real TOFU files: authors in play (0 = all)
     forget_percent: float = 1.0
     num_forget_domains: int = 1
     retain_layout: str = "random"

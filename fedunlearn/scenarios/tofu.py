@@ -19,6 +19,7 @@ from fedunlearn.benchmarks.tofu import (
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
 from fedunlearn.evaluation import evaluate_tofu, exact_match, greedy_generate
 from fedunlearn.evaluation.muse_metrics import membership_auc, min_k_percent_scores, privleak
+from fedunlearn.evaluation.tofu_metrics import rouge_l_recall
 from fedunlearn.qa_format import format_answer, format_prompt
 from fedunlearn.scenarios.base import (
     ClientAssignment,
@@ -157,9 +158,17 @@ def tofu_assignments(
 
 
 @functools.lru_cache(maxsize=4)
-def _tofu_data(seed: int, num_authors: int, qa_per_author: int, data_path: str) -> TofuData:
+def _tofu_data(
+    seed: int,
+    num_authors: int,
+    qa_per_author: int,
+    data_path: str,
+    subset_authors: int,
+    forget_percent: float,
+) -> TofuData:
     if data_path:
-        return load_tofu_files(data_path)
+        data = load_tofu_files(data_path)
+        return data.subset(subset_authors, forget_percent) if subset_authors else data
     return generate_tofu(seed, num_authors, qa_per_author)
 
 
@@ -193,7 +202,12 @@ class TofuScenario(Scenario):
     def __init__(self, params: ScenarioParams) -> None:
         super().__init__(params)
         self.data = _tofu_data(
-            params.seed, params.num_authors, params.qa_per_author, params.data_path
+            params.seed,
+            params.num_authors,
+            params.qa_per_author,
+            params.data_path,
+            params.subset_authors,
+            params.forget_percent,
         )
 
     def records(self) -> list[dict[str, Any]]:
@@ -224,11 +238,17 @@ class TofuScenario(Scenario):
         return [{"text": t} for t in texts] + list(knowledge) * knowledge_repeats
 
     def knowledge_records(self, *, include_forget: bool) -> list[dict[str, Any]]:
+        """The author QA (without the forget authors for the reference); the generated
+        benchmark adds its real-author and world-fact QA, which the built-in model must learn,
+        while a pretrained model on the real files is fine-tuned on the authors alone, as in
+        TOFU (those two sets measure what it knew before)."""
         authors = (
             self.data.author_qa
             if include_forget
             else self.data.retain_split(self.params.forget_percent)
         )
+        if self.params.data_path:
+            return list(authors)
         return list(authors) + self.data.real_authors + self.data.world_facts
 
     def reference_name(self) -> str:
@@ -250,12 +270,17 @@ class TofuScenario(Scenario):
             forget = [r for i, r in enumerate(self.data.author_qa) if i in gone]
             retain = [r for i, r in enumerate(self.data.author_qa) if i not in gone]
         rng = random.Random(self.params.seed + 7)
-        sample = rng.sample(retain, min(self.params.eval_retain_samples, len(retain)))
+        size = self.params.eval_retain_samples
+        sample = rng.sample(retain, min(size, len(retain)))
+        real_authors, world_facts = self.data.real_authors, self.data.world_facts
+        if self.params.data_path:  # the published sets (100 / 117 QA) are capped alike
+            real_authors = rng.sample(real_authors, min(size, len(real_authors)))
+            world_facts = rng.sample(world_facts, min(size, len(world_facts)))
         return {
             "forget": forget,
             "retain": sample,
-            "real_authors": self.data.real_authors,
-            "world_facts": self.data.world_facts,
+            "real_authors": real_authors,
+            "world_facts": world_facts,
         }
 
     def evaluate(
@@ -335,13 +360,34 @@ class TofuScenario(Scenario):
     def check_knowledge(
         self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
+        """Generated data: exact recall of every author QA. Real files (long free-form
+        answers): ROUGE-L recall of the forget and retain authors' answers, TOFU's measure."""
+        if self.params.data_path:
+            p = self.params.forget_percent
+            return {
+                "forget_rouge_l": _rouge_recall(model, tokenizer, self.data.forget_split(p)),
+                "retain_rouge_l": _rouge_recall(model, tokenizer, self.data.retain_split(p)),
+            }
         return {"author_recall_exact_match": _recall(model, tokenizer, self.data.author_qa)}
 
     def check_reference(
         self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         forget = self.data.forget_split(self.params.forget_percent)
+        if self.params.data_path:
+            return {"reference_forget_rouge_l": _rouge_recall(model, tokenizer, forget)}
         return {"forget_recall_reference_exact_match": _recall(model, tokenizer, forget)}
+
+
+def _rouge_recall(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+) -> float:
+    """Mean ROUGE-L recall of greedy answers (up to 96 new tokens) against the answers."""
+    generations = greedy_generate(
+        model, tokenizer, [r["question"] for r in records], max_new_tokens=96
+    )
+    scores = rouge_l_recall(generations, [r["answer"] for r in records])
+    return float(sum(scores) / max(1, len(scores)))
 
 
 def _recall(

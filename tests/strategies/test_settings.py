@@ -6,6 +6,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
+import torch
 
 from strategies.settings import RunSettings
 from strategies.settings_rules import RULES, RunConfigError
@@ -67,7 +68,7 @@ def test_layer_defaults_follow_the_model_depth():
 @pytest.mark.parametrize(
     "config,message",
     [
-        ({"data-path": "/data/tofu"}, "needs model-path"),
+        ({"data-path": "/data/tofu"}, "needs a real model"),
         ({"objective": "nll"}, "forget objective"),
         ({"objective": "dpo", "scenario": "wmdp"}, "plain text"),
         ({"objective": "idk", "scenario": "muse"}, "plain text"),
@@ -180,3 +181,28 @@ def test_plugin_merges_resolved_and_their_signature_checked_up_front(tmp_path, m
         RunSettings.from_run_config(
             {"strategy": "mpu", "mpu-merge": "issue13_plugins:two_positionals"}
         )
+
+
+def test_a_registry_model_gets_practical_lora_targets_and_a_cpu_sized_tofu_subset():
+    settings = RunSettings.from_run_config(
+        {"model": "smollm2-135m", "data-path": "/data/tofu", "lora-rank": 8}
+    )
+    assert settings.lora_targets == "q_proj,v_proj"
+    assert settings.eval_max_new_tokens == 64
+    assert settings.tofu_subset_authors == (200 if torch.cuda.is_available() else 4)
+    assert settings.scenario_params().subset_authors == settings.tofu_subset_authors
+    explicit = RunSettings.from_run_config(
+        {"model": "smollm2-135m", "lora-targets": "q_proj", "tofu-subset-authors": 8}
+    )
+    assert explicit.lora_targets == "q_proj" and explicit.tofu_subset_authors == 8
+
+
+def test_model_keys_are_checked():
+    with pytest.raises(RunConfigError, match="model='smollm2-135m'"):
+        RunSettings.from_run_config({"data-path": "/data/tofu"})
+    with pytest.raises(RunConfigError, match="either model"):
+        RunSettings.from_run_config({"model": "smollm2-135m", "model-path": "/ckpt"})
+    with pytest.raises(RunConfigError, match="'model'.*smollm2-135m"):
+        RunSettings.from_run_config({"model": "smollm3"})
+    with pytest.raises(RunConfigError, match="tofu-subset-authors"):
+        RunSettings.from_run_config({"tofu-subset-authors": 2})
