@@ -1,6 +1,7 @@
 """Evaluation: answer likelihoods, greedy generation and TOFU-style metrics (SPEC §5.1)."""
 
 from fedunlearn.evaluation.generation import greedy_generate
+from fedunlearn.evaluation.harness_mc import harness_accuracy
 from fedunlearn.evaluation.likelihood import answer_nll, answer_probability
 from fedunlearn.evaluation.tofu_metrics import (
     evaluate_split,
@@ -26,6 +27,7 @@ __all__ = [
     "exact_match",
     "forget_quality",
     "greedy_generate",
+    "harness_accuracy",
     "log_truth_ratio",
     "model_utility",
     "normalize_answer",
