@@ -386,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     data = json.loads(results.read_text())
     from fedunlearn.scenarios import get_scenario
-    from strategies.results import format_summary_table
+    from strategies.results import format_summary_table, summary_names
 
     scenario = get_scenario(data["config"]["scenario"])
-    print(format_summary_table(data["metrics"], scenario.summary_metrics))
+    print(format_summary_table(data["metrics"], summary_names(data["metrics"], scenario)))
     print(f"\nresults: {results}")
     return 0
 

@@ -24,6 +24,12 @@ def json_safe(value: Any) -> Any:
     return value
 
 
+def summary_names(metrics: Mapping[str, Mapping[str, Any]], scenario: Any) -> tuple[str, ...]:
+    """The scenario's summary metrics, plus MMLU accuracy when a real model was scored on it."""
+    extra = ("mmlu_accuracy",) if "mmlu_accuracy" in metrics.get("before", {}) else ()
+    return (*scenario.summary_metrics, *extra)
+
+
 def format_summary_table(metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> str:
     """A fixed-width table: one row per metric, one column per evaluated model."""
     columns = [c for c in ("before", "after", "reference") if c in metrics]

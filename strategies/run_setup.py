@@ -23,6 +23,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from fedunlearn.benchmarks.mmlu_files import load_mmlu_csv, mmlu_subset
+from fedunlearn.evaluation.harness_mc import harness_accuracy
 from fedunlearn.models.finetuned import FINETUNED_INFO, FinetuneRecipe, ensure_finetuned
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.models.pretrained import ensure_converted, pretrained_checkpoint
@@ -40,6 +42,8 @@ class RunModel:
     scenario: Scenario
     reference: PreTrainedModel | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: a real model's general-utility questions (zero-shot MMLU subset); empty = not scored
+    general_questions: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def data(self) -> Any:
@@ -49,7 +53,29 @@ class RunModel:
 
 def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunModel:
     """A local checkpoint or GGUF file (``model-path``), a registry model fine-tuned on the
-    scenario's data (``model``), or the built-in substrate (each built when missing)."""
+    scenario's data (``model``), or the built-in substrate (each built when missing); a
+    real model also gets its MMLU subset (:func:`general_questions`)."""
+    run_model = _load_model(settings, show_progress=show_progress)
+    run_model.general_questions = general_questions(settings)
+    return run_model
+
+
+def general_questions(settings: RunSettings) -> list[dict[str, Any]]:
+    """The seeded MMLU subset (``mmlu-subjects`` × ``mmlu-per-subject`` test questions) a real
+    model is scored on before and after unlearning; [] without an MMLU folder."""
+    folder = settings.mmlu_folder()
+    if folder is None:
+        return []
+    records = load_mmlu_csv(folder, split="test")
+    return mmlu_subset(
+        records,
+        subjects=settings.mmlu_subjects,
+        per_subject=settings.mmlu_per_subject,
+        seed=settings.seed,
+    )
+
+
+def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
     scenario = get_scenario(settings.scenario)(settings.scenario_params())
     cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
     dtype = resolve_dtype(settings.dtype)
@@ -147,6 +173,16 @@ def evaluate_model(
         n_samples=3,
         **kwargs,
     )
+    if run_model.general_questions:
+        mmlu = harness_accuracy(
+            model,
+            run_model.tokenizer,
+            run_model.general_questions,
+            batch_size=settings.eval_batch_size,
+            disable_tqdm=True,
+        )
+        metrics["mmlu_accuracy"] = mmlu["accuracy"]
+        metrics["mmlu_questions"] = mmlu["n"]
     log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
     return metrics
 

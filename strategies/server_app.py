@@ -30,7 +30,7 @@ from strategies.checkpoint import (
 from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
-from strategies.results import format_summary_table, json_safe
+from strategies.results import format_summary_table, json_safe, summary_names
 from strategies.run_setup import (
     client_settings,
     evaluate_model,
@@ -236,7 +236,7 @@ def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=2))
     tmp.replace(path)
-    for line in format_summary_table(metrics, scenario.summary_metrics).splitlines():
+    for line in format_summary_table(metrics, summary_names(metrics, scenario)).splitlines():
         log(INFO, "%s", line)
     for line in scenario.sample_lines(metrics["before"], metrics["after"]):
         log(INFO, "%s", line)

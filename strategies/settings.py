@@ -22,7 +22,7 @@ from strategies.merge_plugins import check_merge_call, resolve_merge
 from strategies.secret_files import check_secret_keys
 from strategies.settings_rules import RunConfigError, check_value, close_matches, key_name
 
-#: defaults for a pretrained model (model != builtin) where a key is left on its default,
+#: defaults for a real model (``model`` or ``model-path``) where a key is left on its default,
 #: sized for a CPU: LoRA on the query and value projections of every layer (a dense task
 #: vector + Fisher of about 106 MB per client for SmolLM2-135M, against 850 MB for all seven
 #: projections), two forget clients and one retain client holding the 40 QA of the default
@@ -149,6 +149,10 @@ class RunSettings:
     fulm_k: float = 0.3
     # evaluation and output
     eval_retain_samples: int = 200
+    # general utility of a real model (model or model-path): zero-shot MMLU on a seeded subset
+    mmlu_path: str = ""  # folder of MMLU CSVs; "" = the "mmlu" folder beside data-path, if any
+    mmlu_subjects: int = 10
+    mmlu_per_subject: int = 5  # 0 = no MMLU
     eval_max_new_tokens: int = 32
     eval_batch_size: int = 64
     output_dir: str = ""
@@ -187,12 +191,13 @@ class RunSettings:
         check_value("scenario", self.scenario, str)
         unset = {f.name: f.default for f in fields(self)}
         defaults = dict(SCENARIOS[self.scenario].defaults)
-        if self.model != "builtin":
+        real_model = self.model != "builtin" or bool(self.model_path)
+        if real_model:
             defaults.update(PRETRAINED_DEFAULTS)
         changes = {
             name: value for name, value in defaults.items() if getattr(self, name) == unset[name]
         }
-        if self.tofu_subset_authors == 0 and self.data_path and self.model != "builtin":
+        if self.tofu_subset_authors == 0 and self.data_path and real_model:
             changes["tofu_subset_authors"] = 200 if torch.cuda.is_available() else 4
         return dataclasses.replace(self, **changes)
 
@@ -420,6 +425,16 @@ class RunSettings:
         if self.strategy == "dp2u":
             return self.dp2u_clients
         return self.num_forget_clients + self.num_retain_clients
+
+    def mmlu_folder(self) -> Path | None:
+        """Where MMLU is read for a real model's general utility, or None (no MMLU): the
+        built-in model is never scored on it (it knows no English beyond its benchmark)."""
+        if self.mmlu_per_subject == 0 or (self.model == "builtin" and not self.model_path):
+            return None
+        if self.mmlu_path:
+            return Path(self.mmlu_path).expanduser()
+        beside = Path(self.data_path).expanduser().parent / "mmlu" if self.data_path else None
+        return beside if beside is not None and beside.is_dir() else None
 
     def resolved_output_dir(self) -> Path:
         """Absolute output folder: ``output-dir`` or ``outputs/<timestamp>`` under the cwd."""

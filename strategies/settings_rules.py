@@ -186,9 +186,11 @@ RULES: dict[str, Rule] = {
     "substrate_finetune_epochs": COUNT,
     "substrate_background_documents": COUNT,
     # a pretrained model fine-tuned on the scenario's data
-    "tofu_subset_authors": Number(low=3, special=((0.0, "auto"),)),
+    "tofu_subset_authors": Number(low=2, special=((0.0, "auto"),)),
     "model_finetune_epochs": POSITIVE_INT,
     "model_finetune_lr": POSITIVE,
+    "mmlu_subjects": Number(low=1, high=57),
+    "mmlu_per_subject": COUNT,
     # local training
     "forget_steps": POSITIVE_INT,
     "forget_lr": POSITIVE,

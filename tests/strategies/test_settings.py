@@ -205,4 +205,4 @@ def test_model_keys_are_checked():
     with pytest.raises(RunConfigError, match="'model'.*smollm2-135m"):
         RunSettings.from_run_config({"model": "smollm3"})
     with pytest.raises(RunConfigError, match="tofu-subset-authors"):
-        RunSettings.from_run_config({"tofu-subset-authors": 2})
+        RunSettings.from_run_config({"tofu-subset-authors": 1})
