@@ -57,11 +57,12 @@ TOFU_POINT_METRICS = (
 
 
 def point_metrics(run_model: RunModel) -> tuple[str, ...]:
-    """The scalar metrics a sweep point records for this scenario."""
+    """The scalar metrics a sweep point records for this scenario (and a real model's MMLU)."""
     scenario = run_model.scenario
+    general = ("mmlu_accuracy",) if run_model.general_questions else ()
     if scenario.name == "tofu":
-        return TOFU_POINT_METRICS
-    return tuple(dict.fromkeys((*scenario.summary_metrics, scenario.utility_metric)))
+        return (*TOFU_POINT_METRICS, *general)
+    return tuple(dict.fromkeys((*scenario.summary_metrics, scenario.utility_metric, *general)))
 
 
 def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import resource
 import time
 from collections.abc import Iterator
 from logging import INFO
@@ -190,6 +191,7 @@ def main(grid: Grid, context: Context) -> None:
         **({"mpu": record["mpu"]} if "mpu" in record else {}),
         "assignments": record["assignments"],
         "seconds": phases,
+        "server_peak_rss_mb": peak_rss_mb(),
         **({"resumed_from_round": done} if done else {}),
     }
     if settings.save_uploads and strategy.last_updates:
@@ -197,6 +199,11 @@ def main(grid: Grid, context: Context) -> None:
     elif settings.save_uploads:
         log(INFO, "no round ran in this process: the uploads of the last round are not saved")
     _write_results(output_dir, results, metrics, scenario)
+
+
+def peak_rss_mb() -> float:
+    """The server process's peak resident memory so far (``ru_maxrss``, MiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _open_checkpoint(
