@@ -77,6 +77,7 @@ class RunSettings:
     substrate_background_documents: int = 1500
     # a pretrained model (model != builtin): its fine-tuning on the scenario's data
     tofu_subset_authors: int = 0  # real TOFU files: authors in play; 0 = all on CUDA, 4 on CPU
+    muse_subset_texts: int = 0  # real MUSE files: items of each list; 0 = all on CUDA, 16 on CPU
     model_finetune_epochs: int = 6
     model_finetune_lr: float = 1e-4
     # local training
@@ -199,6 +200,14 @@ class RunSettings:
         }
         if self.tofu_subset_authors == 0 and self.data_path and real_model:
             changes["tofu_subset_authors"] = 200 if torch.cuda.is_available() else 4
+        if (
+            self.scenario == "muse"
+            and self.muse_subset_texts == 0
+            and self.data_path
+            and real_model
+        ):
+            # the published lists hold 100 items each (fedunlearn.benchmarks.muse_files)
+            changes["muse_subset_texts"] = 100 if torch.cuda.is_available() else 16
         return dataclasses.replace(self, **changes)
 
     def validate(self) -> None:
@@ -328,6 +337,7 @@ class RunSettings:
             num_authors=self.num_authors,
             qa_per_author=self.qa_per_author,
             subset_authors=self.tofu_subset_authors,
+            subset_texts=self.muse_subset_texts,
             forget_percent=self.forget_percent,
             num_forget_domains=self.num_forget_domains,
             retain_layout=self.retain_layout,

@@ -187,6 +187,7 @@ RULES: dict[str, Rule] = {
     "substrate_background_documents": COUNT,
     # a pretrained model fine-tuned on the scenario's data
     "tofu_subset_authors": Number(low=2, special=((0.0, "auto"),)),
+    "muse_subset_texts": Number(low=2, special=((0.0, "auto"),)),
     "model_finetune_epochs": POSITIVE_INT,
     "model_finetune_lr": POSITIVE,
     "mmlu_subjects": Number(low=1, high=57),

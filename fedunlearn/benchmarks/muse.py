@@ -245,6 +245,8 @@ class MuseData:
     ``privleak_forget`` / ``privleak_holdout`` optionally hold the member / non-member texts of
     the PrivLeak test (the published ``privleak`` config); when empty (always, for generated
     data), the forget and holdout passages are used (see :meth:`privleak_texts`).
+    ``privleak_retain`` holds the published ``privleak`` retain texts (articles the target
+    model was trained on and keeps; not part of the PrivLeak score).
     """
 
     forget_passages: list[dict[str, Any]]
@@ -256,6 +258,7 @@ class MuseData:
     seed: int
     privleak_forget: list[str] = field(default_factory=list)
     privleak_holdout: list[str] = field(default_factory=list)
+    privleak_retain: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name, split in (

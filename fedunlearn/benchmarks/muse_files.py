@@ -31,7 +31,18 @@ when missing; a damaged file, a missing column or a record without a value raise
 * ``verbmem`` (``prompt``, ``gt``): ``forget`` -> verbatim probes.
 * ``privleak`` (``text``): ``forget`` / ``holdout`` -> ``MuseData.privleak_forget`` /
   ``privleak_holdout``, the member / non-member texts of PrivLeak (MUSE scores these 100 + 100
-  texts rather than the whole raw splits).
+  texts rather than the whole raw splits); ``retain`` or, in older revisions, ``retain2`` ->
+  ``privleak_retain`` (retain articles the target model was trained on).
+
+The offline MUSE-News copy of this project (``shared/data/muse-news``, the GitHub layout with
+the older names) is read by the tests: ``raw/forget.json`` (889 articles; ``raw/forget.txt``
+beside it is ignored, JSON comes first), ``knowmem/forget_qa.json`` and ``retain2_qa.json``
+(100 QA each), ``verbmem/forget.json`` (100 probes) and ``privleak/{forget,retain2,holdout}
+.json`` (100 texts each). Its ``raw`` retain and holdout splits are missing (too large), so the
+loaded retain and holdout passages are empty.
+
+:func:`muse_subset` cuts what a small model is fine-tuned on and scored with out of these
+published lists (first ``n`` items, texts cut to a few dozen words).
 
 How this was verified (July 2024 revisions, read through the documentation and code search
 corpora, not downloaded): the Hugging Face dataset cards of MUSE-News and MUSE-Books list the
@@ -52,6 +63,7 @@ configs from exactly these folders (one split per ``.json`` file).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -62,6 +74,7 @@ from fedunlearn.benchmarks.tofu_files import find_config_files
 
 RAW_RETAIN_SPLITS = ("retain1", "retain2")
 RETAIN_QA_SPLITS = ("retain_qa", "retain2_qa")  # current name first, older revisions second
+PRIVLEAK_RETAIN_SPLITS = ("retain", "retain2")
 
 
 def find_split_files(root: Path, config: str, split: str) -> list[Path] | None:
@@ -181,4 +194,111 @@ def load_muse_files(
         seed=0,
         privleak_forget=[t for (t,) in read("privleak", ["forget"], ["text"]) or []],
         privleak_holdout=[t for (t,) in read("privleak", ["holdout"], ["text"]) or []],
+        privleak_retain=[t for (t,) in read("privleak", PRIVLEAK_RETAIN_SPLITS, ["text"]) or []],
     )
+
+
+# --- the CPU-sized subset a small pretrained model is fine-tuned on (issue 14) ---------------
+
+#: VerbMem probes of the subset: the last words of the published prompt, the first words of
+#: its ground truth (MUSE's own probes: about 900-token prompts, 128-token continuations)
+VERBMEM_PROMPT_WORDS = 24
+VERBMEM_GT_WORDS = 40
+#: PrivLeak and retain texts of the subset: the first words of each published text (~8 kB)
+PRIVLEAK_WORDS = 64
+
+
+def head_words(text: str, n: int) -> str:
+    """``text`` up to the end of its ``n``-th word (whitespace before and inside kept)."""
+    words = list(re.finditer(r"\S+", text))
+    return text[: words[n - 1].end()] if len(words) > n else text
+
+
+def tail_words(text: str, n: int) -> str:
+    """``text`` from the start of its ``n``-th last word (whitespace inside and after kept)."""
+    words = list(re.finditer(r"\S+", text))
+    return text[words[-n].start() :] if len(words) > n else text
+
+
+def join_probe(prompt: str, gt: str, articles: str) -> str:
+    """``prompt`` and its continuation ``gt`` as one text, as the article has them.
+
+    MUSE cut its VerbMem probes at LLaMA tokens: ``gt`` may continue the prompt's last word
+    (``"co" + "-leader"``) or follow a space the cut dropped (``"but" + "down"``). The joint
+    ("" or " ") under which the junction occurs in ``articles`` (the raw forget articles)
+    wins; without one, a space unless whitespace is already there.
+    """
+    for joint in ("", " "):
+        if f"{prompt[-40:]}{joint}{gt[:40]}" in articles:
+            return f"{prompt}{joint}{gt}"
+    joint = "" if prompt[-1:].isspace() or gt[:1].isspace() else " "
+    return f"{prompt}{joint}{gt}"
+
+
+def muse_subset(data: MuseData, n: int | None = None) -> MuseData:
+    """The first ``n`` items (all when None) of each published list, texts cut to a size a
+    small model learns on a CPU; what a pretrained model is fine-tuned on and scored with.
+
+    * forget passages: the VerbMem excerpts (book ``verbmem``: the last
+      :data:`VERBMEM_PROMPT_WORDS` words of probe i's prompt joined to the first
+      :data:`VERBMEM_GT_WORDS` words of its ground truth, :func:`join_probe`), then the
+      PrivLeak forget texts (book ``privleak``: the first :data:`PRIVLEAK_WORDS` words of
+      text i);
+    * retain passages: the first :data:`PRIVLEAK_WORDS` words of the PrivLeak retain texts
+      (MUSE-News ``privleak/retain2``), or of the raw retain passages where there are none;
+    * holdout passages / PrivLeak non-members: the first :data:`PRIVLEAK_WORDS` words of the
+      PrivLeak holdout texts; PrivLeak members: the cut forget texts, exactly as trained;
+    * KnowMem forget / retain QA and the VerbMem probes (cut as above): the first ``n``.
+
+    The raw forget articles are not trained on: the KnowMem questions cannot be traced to one
+    article (a short answer such as a year occurs in many), so the QA themselves are the
+    knowledge a model is fine-tuned on.
+
+    Raises:
+        ValueError: ``n < 1``, or no forget or no retain record left.
+    """
+    if n is not None and n < 1:
+        raise ValueError(f"a MUSE subset needs n >= 1 items of each list, got {n}")
+
+    def first(items: list) -> list:
+        return list(items[:n])
+
+    def cut(texts: list[str], split: str, book: str) -> list[dict[str, Any]]:
+        kept = [head_words(t, PRIVLEAK_WORDS).strip() for t in first(texts)]
+        return [{"text": t, "book": book, "split": split} for t in kept if t]
+
+    members, nonmembers = data.privleak_texts()
+    articles = "\n".join(r["text"] for r in data.forget_passages)
+    cuts = [
+        (
+            tail_words(str(p["prompt"]), VERBMEM_PROMPT_WORDS),
+            head_words(str(p["gt"]), VERBMEM_GT_WORDS),
+        )
+        for p in first(data.verbmem)
+    ]
+    verbmem = [{"prompt": prompt, "gt": gt.strip()} for prompt, gt in cuts]
+    excerpts = [
+        {"text": join_probe(prompt, gt, articles).strip(), "book": "verbmem", "split": "forget"}
+        for prompt, gt in cuts
+    ]
+    forget = excerpts + cut(members, "forget", "privleak")
+    retain_texts = data.privleak_retain or [r["text"] for r in data.retain_passages]
+    retain = cut(retain_texts, "retain", "privleak-retain")
+    holdout = cut(nonmembers, "holdout", "privleak-holdout")
+    subset = MuseData(
+        forget_passages=forget,
+        retain_passages=retain,
+        holdout_passages=holdout,
+        forget_qa=first(data.forget_qa),
+        retain_qa=first(data.retain_qa),
+        verbmem=verbmem,
+        seed=data.seed,
+        privleak_forget=[r["text"] for r in forget if r["book"] == "privleak"],
+        privleak_holdout=[r["text"] for r in holdout],
+        privleak_retain=[r["text"] for r in retain],
+    )
+    if not (subset.forget_passages or subset.forget_qa):
+        raise ValueError("the MUSE files leave no forget text (verbmem, privleak) and no forget QA")
+    if not (subset.retain_passages or subset.retain_qa):
+        raise ValueError("the MUSE files leave no retain text (privleak, raw) and no retain QA")
+    return subset

@@ -37,6 +37,8 @@ FINETUNED_FORMAT_VERSION = 1
 FINETUNED_INFO = "build_info.json"
 FINETUNED_KIND = "fine-tuned pretrained model"
 DATA_FIELDS = ("seed", "data_path", "subset_authors", "forget_percent", "forget_domains")
+#: data parameters added later: named (hashed) only when set, so older entries stay valid
+LATER_DATA_FIELDS = ("subset_texts",)
 
 logger = logging.getLogger(__name__)
 
@@ -56,16 +58,22 @@ def finetuned_folder(
     base: Path, scenario: Scenario, recipe: FinetuneRecipe, cache_dir: Path
 ) -> Path:
     """Cache folder of ``base`` fine-tuned on ``scenario``'s data with ``recipe``."""
-    params = dataclasses.asdict(scenario.params)
     payload = {
         "version": FINETUNED_FORMAT_VERSION,
         "base": base.name,
         "scenario": scenario.name,
-        "data": {k: params[k] for k in DATA_FIELDS},
+        "data": _data_fields(scenario),
         "recipe": dataclasses.asdict(recipe),
     }
     digest = hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
     return cache_dir / f"{scenario.name}-finetuned-{digest}"
+
+
+def _data_fields(scenario: Scenario) -> dict:
+    """The scenario parameters that decide what the models are fine-tuned on."""
+    params = dataclasses.asdict(scenario.params)
+    later = {k: params[k] for k in LATER_DATA_FIELDS if params[k]}
+    return {**{k: params[k] for k in DATA_FIELDS}, **later}
 
 
 def _finetune(
@@ -96,7 +104,7 @@ def build_finetuned(base: Path, scenario: Scenario, recipe: FinetuneRecipe, fold
     info: dict = {
         "base": str(base),
         "recipe": dataclasses.asdict(recipe),
-        "data": {k: dataclasses.asdict(scenario.params)[k] for k in DATA_FIELDS},
+        "data": _data_fields(scenario),
         "seconds": {},
         "losses": {},
     }

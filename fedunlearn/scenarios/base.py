@@ -57,6 +57,8 @@ class ScenarioParams:
     retain_layout: str = "random"
     # wmdp
     forget_domains: str = "bio,cyber"
+    # muse
+    subset_texts: int = 0  # real MUSE files: items of each published list in play (0 = all)
     # clients
     num_forget_clients: int = 5
     num_retain_clients: int = 1

@@ -1,5 +1,10 @@
-"""The MUSE scenario: forget clients hold fictional books' passages (and the QA the model was
-trained on about them), retain clients the other books; GA by default (SPEC §5.3)."""
+"""The MUSE scenario: forget clients hold the forget texts (and the QA the model was trained
+on about them), retain clients the retain texts and QA; GA by default (SPEC §5.3).
+
+Generated data: fictional books. Real files (``data-path``, a pretrained model): the
+CPU-sized :func:`~fedunlearn.benchmarks.muse_files.muse_subset` of the published lists
+(``subset_texts`` items of each: VerbMem excerpts, PrivLeak texts, KnowMem QA).
+"""
 
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ from fedunlearn.benchmarks.muse import (
     generate_muse_background,
     muse_training_texts,
 )
-from fedunlearn.benchmarks.muse_files import load_muse_files
-from fedunlearn.evaluation.muse_metrics import evaluate_muse
+from fedunlearn.benchmarks.muse_files import load_muse_files, muse_subset
+from fedunlearn.evaluation.muse_metrics import evaluate_muse, knowmem, verbmem
 from fedunlearn.scenarios.base import (
     ClientAssignment,
     Scenario,
@@ -29,25 +34,25 @@ from fedunlearn.scenarios.base import (
 
 MUSE_FORGET_DOMAIN = "muse-forget"
 
-
-#: the real MUSE-Books ``raw`` splits are whole books: cut them into passages of this size
-REAL_PASSAGE_CHARS = 2000
+#: VerbMem generation budget (tokens): the generated books' passages, and the subset's
+#: 40-word continuations of the real files (about 56 SmolLM2 tokens)
+GENERATED_VERBMEM_TOKENS = 128
+REAL_VERBMEM_TOKENS = 64
 
 
 @functools.lru_cache(maxsize=4)
-def _muse_data(seed: int, data_path: str) -> MuseData:
-    """Generated data, or the real files (retain1 only as trainable retain text: MUSE keeps
-    retain2 away from unlearning methods)."""
+def _muse_data(seed: int, data_path: str, subset_texts: int) -> MuseData:
+    """Generated data, or the subset of the real files (``subset_texts`` 0 = every item)."""
     if not data_path:
         return generate_muse(seed)
-    return load_muse_files(data_path, chunk_chars=REAL_PASSAGE_CHARS, retain_splits=("retain1",))
+    return muse_subset(load_muse_files(data_path), subset_texts or None)
 
 
 @register_scenario("muse")
 class MuseScenario(Scenario):
-    """Fictional books (MUSE): the forget books' knowledge (KnowMem), verbatim memory
-    (VerbMem) and membership signal (PrivLeak against the retrained reference) should go,
-    the retain books' knowledge (KnowMem retain, the utility) should stay."""
+    """MUSE (fictional books, or the real files' subset): the forget texts' knowledge
+    (KnowMem), verbatim memory (VerbMem) and membership signal (PrivLeak against the
+    retrained reference) should go, the retain knowledge (KnowMem retain, the utility) stay."""
 
     defaults = {
         "objective": "ga",
@@ -56,6 +61,10 @@ class MuseScenario(Scenario):
         "forget_steps": 12,
         "forget_lr": 1e-3,
         "gamma": 3.0,
+        # a pretrained model memorises the subset's texts verbatim (SmolLM2-135M: VerbMem
+        # 0.99 after 10 epochs at 5e-4, 0.19 after 8 at TOFU's 1e-4)
+        "model_finetune_epochs": 8,
+        "model_finetune_lr": 5e-4,
     }
     summary_metrics = (
         "knowmem_forget",
@@ -70,14 +79,11 @@ class MuseScenario(Scenario):
 
     def __init__(self, params: ScenarioParams) -> None:
         super().__init__(params)
-        self.data = _muse_data(params.seed, params.data_path)
+        self.data = _muse_data(params.seed, params.data_path, params.subset_texts)
 
     def records(self) -> list[dict[str, Any]]:
-        """Forget passages, retain passages (:meth:`MuseData.text_records`), then — for
-        generated data, whose QA the model was trained on — forget QA and retain QA. With the
-        real files the QA are KnowMem's test questions and stay out of training."""
-        if self.params.data_path:
-            return self.data.text_records()
+        """Forget passages, retain passages (:meth:`MuseData.text_records`), forget QA, retain
+        QA: everything the model was fine-tuned on (see :meth:`knowledge_records`)."""
         return self.data.text_records() + self.data.forget_qa + self.data.retain_qa
 
     def _pools(self) -> tuple[list[int], list[int]]:
@@ -85,7 +91,7 @@ class MuseScenario(Scenario):
         records = self.records()
         n_forget_p = len(self.data.forget_passages)
         n_text = len(self.data.text_records())
-        n_forget_qa = len(self.data.forget_qa) if len(records) > n_text else 0
+        n_forget_qa = len(self.data.forget_qa)
         forget = list(range(n_forget_p)) + list(range(n_text, n_text + n_forget_qa))
         books = list(dict.fromkeys(records[i].get("book", "") for i in forget))
         forget.sort(key=lambda i: (books.index(records[i].get("book", "")), i))
@@ -119,7 +125,16 @@ class MuseScenario(Scenario):
         return [{"text": t} for t in self.tokenizer_corpus(num_documents)]
 
     def knowledge_records(self, *, include_forget: bool) -> list[dict[str, Any]]:
-        return [{"text": t} for t in muse_training_texts(self.data, include_forget=include_forget)]
+        """The passages and QA (without the forget ones for the reference). Generated data:
+        QA as plain ``Question: ... Answer: ...`` text (:func:`muse_training_texts`); real
+        files: QA records, so a pretrained model learns them in its chat template, the format
+        KnowMem asks in."""
+        if not self.params.data_path:
+            texts = muse_training_texts(self.data, include_forget=include_forget)
+            return [{"text": t} for t in texts]
+        if include_forget:
+            return self.records()
+        return list(self.data.retain_passages) + list(self.data.retain_qa)
 
     def reference_name(self) -> str:
         return "reference-retrain"
@@ -143,5 +158,41 @@ class MuseScenario(Scenario):
             retrain_auc=retrain_auc,
             batch_size=batch_size,
             max_new_tokens=max_new_tokens,
+            verbmem_max_new_tokens=self.verbmem_tokens(),
             n_samples=n_samples,
         )
+
+    def verbmem_tokens(self) -> int:
+        """VerbMem's generation budget for this scenario's data."""
+        return REAL_VERBMEM_TOKENS if self.params.data_path else GENERATED_VERBMEM_TOKENS
+
+    def check_knowledge(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        """Real files: VerbMem and KnowMem forget alone (cheap; run when the model is built).
+        Generated data: the summary metrics."""
+        if not self.params.data_path:
+            return super().check_knowledge(model, tokenizer)
+        return self._forget_memory(model, tokenizer, "")
+
+    def check_reference(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+    ) -> dict[str, float]:
+        """Real files: the reference's VerbMem and KnowMem forget (what it knows unseen)."""
+        if not self.params.data_path:
+            return {}
+        return self._forget_memory(model, tokenizer, "reference_")
+
+    def _forget_memory(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prefix: str
+    ) -> dict[str, float]:
+        out = {}
+        if self.data.verbmem:
+            score, _ = verbmem(
+                model, tokenizer, self.data.verbmem, max_new_tokens=self.verbmem_tokens()
+            )
+            out[f"{prefix}verbmem_forget"] = score
+        if self.data.forget_qa:
+            score, _ = knowmem(model, tokenizer, self.data.forget_qa)
+            out[f"{prefix}knowmem_forget"] = score
+        return out

@@ -197,6 +197,19 @@ def test_a_registry_model_gets_practical_lora_targets_and_a_cpu_sized_tofu_subse
     assert explicit.lora_targets == "q_proj" and explicit.tofu_subset_authors == 8
 
 
+def test_a_registry_model_on_real_muse_files_gets_a_cpu_sized_subset_and_recipe():
+    config = {"scenario": "muse", "model": "smollm2-135m", "data-path": "/data/muse-news"}
+    settings = RunSettings.from_run_config(config)
+    assert settings.muse_subset_texts == (100 if torch.cuda.is_available() else 16)
+    assert settings.scenario_params().subset_texts == settings.muse_subset_texts
+    assert (settings.model_finetune_epochs, settings.model_finetune_lr) == (8, 5e-4)
+    assert RunSettings.from_run_config({**config, "muse-subset-texts": 4}).muse_subset_texts == 4
+    tofu = RunSettings.from_run_config({"model": "smollm2-135m", "data-path": "/data/tofu"})
+    assert tofu.scenario_params().subset_texts == 0 and tofu.model_finetune_lr == 1e-4
+    with pytest.raises(RunConfigError, match="muse-subset-texts"):
+        RunSettings.from_run_config({"muse-subset-texts": 1})
+
+
 def test_model_keys_are_checked():
     with pytest.raises(RunConfigError, match="model='smollm2-135m'"):
         RunSettings.from_run_config({"data-path": "/data/tofu"})

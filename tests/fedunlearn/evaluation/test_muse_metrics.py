@@ -27,6 +27,8 @@ from fedunlearn.evaluation.muse_metrics import (
     verbmem,
 )
 from fedunlearn.qa_format import format_prompt
+from fedunlearn.scenarios import ScenarioParams, get_scenario
+from tests.shared_paths import shared_data
 
 TEXTS = [
     "In the year 1860, Burtes Tarlai left Valdmoor and travelled to Emberly.",
@@ -300,3 +302,31 @@ def test_trained_model_remembers_forget_set_and_retrain_does_not() -> None:
     assert know["knowmem_retain"] >= 0.7
     assert know["privleak_auc"] >= 0.8
     assert leak > 0
+
+
+# ------------------------------------------------------- the real files' subset (issue 14)
+
+
+def test_real_muse_subset_evaluates_on_a_tiny_model(tiny_model, tiny_tokenizer) -> None:
+    params = ScenarioParams(data_path=str(shared_data("muse-news")), subset_texts=3)
+    scenario = get_scenario("muse")(params)
+    kwargs = {"batch_size": 2, "max_new_tokens": 4, "n_samples": 1}
+    result = scenario.evaluate(tiny_model, tiny_tokenizer, **kwargs)
+    keys = {"knowmem_forget", "knowmem_retain", "verbmem_forget", "privleak_auc"}
+    assert set(result) == keys | {"privleak", "samples"} and result["privleak"] is None
+    assert all(0.0 <= result[key] <= 1.0 for key in keys)
+    probe = result["samples"]["verbmem_forget"][0]
+    assert (probe["prompt"], probe["gt"]) == (
+        scenario.data.verbmem[0]["prompt"],
+        scenario.data.verbmem[0]["gt"],
+    )
+    against = scenario.evaluate(
+        tiny_model, tiny_tokenizer, reference_metrics={"privleak_auc": 0.5}, **kwargs
+    )
+    assert against["privleak"] == pytest.approx(privleak(result["privleak_auc"], 0.5))
+    # the build-time check: VerbMem with the evaluation's budget, KnowMem forget alone
+    check = scenario.check_knowledge(tiny_model, tiny_tokenizer)
+    assert set(check) == {"verbmem_forget", "knowmem_forget"}
+    assert check["verbmem_forget"] == pytest.approx(result["verbmem_forget"])
+    reference = scenario.check_reference(tiny_model, tiny_tokenizer)
+    assert reference == {f"reference_{k}": v for k, v in check.items()}
