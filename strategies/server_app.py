@@ -19,6 +19,7 @@ from flwr.serverapp import Grid, ServerApp
 
 from clients.messages import describe_model, wire_state
 from fedunlearn.files import exclusive_folder
+from fedunlearn.models.substrate import default_cache_dir
 from fedunlearn.mpu import plan_reparam
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
@@ -29,10 +30,12 @@ from strategies.checkpoint import (
     model_structure,
 )
 from strategies.dp2u_pipeline import Dp2uPipeline
+from strategies.eval_cache import cached_evaluation, evaluation_key
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.results import format_summary_table, json_safe, summary_names
 from strategies.run_setup import (
+    RunModel,
     client_settings,
     evaluate_model,
     load_run_model,
@@ -102,9 +105,11 @@ def main(grid: Grid, context: Context) -> None:
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
     if reference is not None:
-        metrics["reference"] = evaluate_model("reference", reference, run_model, settings)
+        metrics["reference"] = _baseline_evaluation("reference", reference, run_model, settings)
     reference_metrics = metrics.get("reference")
-    metrics["before"] = evaluate_model("original", model, run_model, settings, reference_metrics)
+    metrics["before"] = _baseline_evaluation(
+        "original", model, run_model, settings, reference_metrics
+    )
     phases["evaluation_before"] = time.perf_counter() - t0
 
     assignments = scenario.assignments()
@@ -199,6 +204,26 @@ def main(grid: Grid, context: Context) -> None:
     elif settings.save_uploads:
         log(INFO, "no round ran in this process: the uploads of the last round are not saved")
     _write_results(output_dir, results, metrics, scenario)
+
+
+def _baseline_evaluation(
+    name: str,
+    model: torch.nn.Module,
+    run_model: RunModel,
+    settings: RunSettings,
+    reference_metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``evaluate_model`` of a model the run does not change (original, reference); with a
+    real model the result is cached across runs (``strategies.eval_cache``)."""
+
+    def evaluate() -> dict[str, Any]:
+        return evaluate_model(name, model, run_model, settings, reference_metrics)
+
+    if settings.model == "builtin" and not settings.model_path:
+        return evaluate()
+    cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
+    key = evaluation_key(model, settings, reference_metrics, settings.mmlu_folder())
+    return cached_evaluation(cache_dir or default_cache_dir(), key, name, evaluate)
 
 
 def peak_rss_mb() -> float:
