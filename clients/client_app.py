@@ -9,6 +9,7 @@ objective and replies with the dense task vector, the Fisher diagonal and its me
 from __future__ import annotations
 
 import json
+import resource
 import time
 
 import torch
@@ -132,6 +133,8 @@ def train(msg: Message, context: Context) -> Message:
         "total-seconds": time.perf_counter() - started,
         "task-vector-norm": outputs[-1][2]["task-vector-norm"],
         "bytes-sent": sum(o[2]["bytes-sent"] for o in outputs),
+        # the client process's peak resident memory so far (ru_maxrss, MiB on Linux)
+        "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
     content = encode_client_reply(
         role=role,

@@ -75,6 +75,7 @@ REPLY_METRICS: dict[str, MetricRule] = {
     "loss_first": MetricRule("loss_first"),
     "loss_last": MetricRule("loss_last"),
     "cuda": MetricRule("cuda", "flag"),
+    "peak-rss-mb": MetricRule("peak_rss_mb", low=0, high=MAX_REPORTED),
 }
 
 
