@@ -80,8 +80,10 @@ def gguf_path(name: str) -> Path:
 
 
 def converted_folder(gguf: Path, cache_dir: Path, name: str | None = None) -> Path:
-    """Cache folder of the float32 conversion of ``gguf`` (named by its content hash)."""
-    label = name or gguf.stem.lower().replace(".", "-")
+    """Cache folder of the float32 conversion of ``gguf`` (named by its content hash); a
+    registry model's file keeps its model name, whichever way it was given."""
+    known = [n for n, spec in PRETRAINED.items() if spec.gguf_file == gguf.name]
+    label = name or (known[0] if known else gguf.stem.lower().replace(".", "-"))
     return cache_dir / f"pretrained-{label}-{sha256_file(gguf)[:16]}"
 
 

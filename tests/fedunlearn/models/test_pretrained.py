@@ -79,3 +79,22 @@ def test_the_tokenizer_reaches_clients_with_its_chat_template(smollm2_checkpoint
     answer = "Jane Austen."
     assert encode_qa(rebuilt, PROMPT, answer) == encode_qa(tokenizer, PROMPT, answer)
     assert rebuilt.eos_token == "<|im_end|>"
+
+
+def test_model_path_loads_a_gguf_file_through_the_same_conversion(smollm2_checkpoint):
+    from strategies.run_setup import load_run_model
+    from strategies.settings import RunSettings
+
+    weights = smollm2_checkpoint / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+    settings = RunSettings.from_run_config(
+        {
+            "model-path": str(gguf_path("smollm2-135m")),
+            "cache-dir": str(smollm2_checkpoint.parent),
+            "mmlu-per-subject": 0,
+        }
+    )
+    run_model = load_run_model(settings, show_progress=False)
+    assert run_model.model.config.num_hidden_layers == 30
+    assert "<|im_start|>assistant" in prompt_text(run_model.tokenizer, PROMPT)
+    assert weights.stat().st_mtime_ns == stamp  # the registry model's conversion, reused
