@@ -17,9 +17,10 @@ from fedunlearn.benchmarks.mmlu_files import (
     mmlu_subjects,
     mmlu_subset,
 )
+from tests.shared_paths import SHARED_DATA
 
-SHARED_MMLU = Path("/work/shared/data/mmlu")
-SHARED_WMDP = Path("/work/shared/data/wmdp-bio-200/wmdp_bio_200.jsonl")
+SHARED_MMLU = SHARED_DATA / "mmlu"
+SHARED_WMDP = SHARED_DATA / "wmdp-bio-200" / "wmdp_bio_200.jsonl"
 
 
 @pytest.fixture(scope="module")

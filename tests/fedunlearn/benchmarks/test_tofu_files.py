@@ -12,6 +12,7 @@ import pytest
 from fedunlearn.benchmarks.data_files import DataFileError
 from fedunlearn.benchmarks.tofu import has_perturbations
 from fedunlearn.benchmarks.tofu_files import load_tofu_files
+from tests.shared_paths import SHARED_DATA
 
 AUTHORS, QA = 10, 4
 
@@ -195,7 +196,7 @@ def test_row_count_and_question_mismatches(tmp_path: Path) -> None:
 
 # --- damaged copies of the real files (issue 13): errors name the file and the record --------
 
-SHARED_TOFU = Path("/work/shared/data/tofu")
+SHARED_TOFU = SHARED_DATA / "tofu"
 REAL_QA = 20  # the published files: 20 questions per author
 
 

@@ -16,6 +16,7 @@ from fedunlearn.benchmarks.wmdp_files import (
     load_wmdp_files,
     load_wmdp_questions,
 )
+from tests.shared_paths import SHARED_DATA
 
 
 def _mc_rows(prefix: str, n: int) -> list[dict]:
@@ -228,7 +229,7 @@ def test_clear_errors(tmp_path: Path) -> None:
 
 # --- damaged copies of the real files (issue 13): errors name the file and the record --------
 
-SHARED_WMDP = Path("/work/shared/data/wmdp-bio-200/wmdp_bio_200.jsonl")
+SHARED_WMDP = SHARED_DATA / "wmdp-bio-200" / "wmdp_bio_200.jsonl"
 
 
 def _real_wmdp_lines(count: int) -> list[str]:

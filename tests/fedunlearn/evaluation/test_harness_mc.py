@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import PreTrainedTokenizerFast
@@ -20,9 +18,10 @@ from fedunlearn.evaluation.harness_mc import (
 )
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
+from tests.shared_paths import SHARED_DATA
 
-SHARED_MMLU = Path("/work/shared/data/mmlu")
-SHARED_WMDP = Path("/work/shared/data/wmdp-bio-200/wmdp_bio_200.jsonl")
+SHARED_MMLU = SHARED_DATA / "mmlu"
+SHARED_WMDP = SHARED_DATA / "wmdp-bio-200" / "wmdp_bio_200.jsonl"
 
 
 @pytest.fixture(scope="module")
