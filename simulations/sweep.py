@@ -145,6 +145,34 @@ def run_and_load_uploads(
     )
 
 
+#: run-config keys in which a whole Flower run may differ from the sweep's run and still be a
+#: point of it (the merge and where outputs go); every other key must be equal
+RUN_POINT_FREE_KEYS = ("strategy", "gamma", "output-dir", "save-uploads", "resume")
+
+
+def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -> dict:
+    """A sweep point from a whole single-round Flower run (``results.json``) of the same model,
+    data, clients and evaluation as the sweep's run: its merge and γ, its "after" metrics."""
+    results = json.loads(results_path.read_text())
+    other = results["config"]
+    differing = [
+        k
+        for k in sorted(set(config) | set(other))
+        if k not in RUN_POINT_FREE_KEYS and config.get(k) != other.get(k)
+    ]
+    if differing or other.get("num-rounds") != 1:
+        raise ValueError(
+            f"{results_path}: not a single-round run of the sweep's config (differs in "
+            f"{differing[:5] or ['num-rounds']})"
+        )
+    return {
+        "strategy": other["strategy"],
+        "gamma": other["gamma"],
+        "metrics": {k: results["metrics"]["after"].get(k) for k in names},
+        "how": f"a whole Flower run ({results_path})",
+    }
+
+
 def sweep(
     strategies: list[str],
     grids: dict[str, list[float]],
@@ -152,8 +180,10 @@ def sweep(
     output_dir: Path,
     *,
     reuse_run: bool = False,
+    runs: tuple[Path, ...] = (),
 ) -> dict[str, Any]:
-    """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ)."""
+    """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ); the
+    whole Flower runs in ``runs`` (results.json files) join as points of their own."""
     output_dir.mkdir(parents=True, exist_ok=True)
     flower = run_and_load_uploads(run_config, output_dir / "flower-run", reuse=reuse_run)
     settings, updates = flower.settings, flower.updates
@@ -184,6 +214,7 @@ def sweep(
             json.dumps(json_safe({**point, "report": result.report}), indent=2)
         )
         points.append(point)
+    points += [flower_run_point(p, run_results["config"], metric_names) for p in runs]
     summary = {
         "flower_run": str(flower.results_path),
         "scenario": scenario.name,
@@ -217,13 +248,27 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="re-merge the uploads of an earlier run in --output-dir",
     )
+    parser.add_argument(
+        "--add-runs",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="results.json of whole single-round Flower runs of the same config to add as points",
+    )
     args = parser.parse_args(argv)
     logging.getLogger("flwr").propagate = False  # one copy of each log line
     strategies = [s for s in args.strategies.split(",") if s]
     grids = parse_gammas(args.gammas, strategies)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"sweep-{stamp}").resolve()
-    summary = sweep(strategies, grids, args.run_config, output_dir, reuse_run=args.reuse_run)
+    summary = sweep(
+        strategies,
+        grids,
+        args.run_config,
+        output_dir,
+        reuse_run=args.reuse_run,
+        runs=tuple(args.add_runs),
+    )
     print(summary_markdown(summary))
     print(f"\nsweep written to {output_dir}")
     return 0

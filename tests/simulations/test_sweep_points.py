@@ -1,0 +1,32 @@
+"""Whole Flower runs join a sweep as points only when they ran the sweep's config."""
+
+import json
+
+import pytest
+
+from simulations.sweep import flower_run_point
+
+CONFIG = {"strategy": "firm", "gamma": 8.0, "num-rounds": 1, "seed": 0, "output-dir": "/a"}
+
+
+def _results(tmp_path, name, **changes):
+    config = {**CONFIG, **changes}
+    after = {"forget_rouge_l": 0.5, "model_utility": 0.4, "extra": 1.0}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps({"config": config, "metrics": {"after": after}}))
+    return path
+
+
+def test_a_run_of_another_merge_is_a_point(tmp_path):
+    path = _results(tmp_path, "ties", strategy="ties", gamma=4.0, **{"output-dir": "/b"})
+    point = flower_run_point(path, CONFIG, ("forget_rouge_l", "model_utility"))
+    assert point["strategy"] == "ties" and point["gamma"] == 4.0
+    assert point["metrics"] == {"forget_rouge_l": 0.5, "model_utility": 0.4}
+    assert str(path) in point["how"]
+
+
+@pytest.mark.parametrize("changes", [{"seed": 1}, {"num-rounds": 2}, {"seed": 0, "lora-rank": 8}])
+def test_a_run_of_another_config_is_refused(tmp_path, changes):
+    path = _results(tmp_path, "other", **changes)
+    with pytest.raises(ValueError, match="not a single-round run of the sweep's config"):
+        flower_run_point(path, CONFIG, ("forget_rouge_l",))
