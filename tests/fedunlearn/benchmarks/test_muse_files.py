@@ -11,6 +11,7 @@ import pytest
 
 from fedunlearn.benchmarks.data_files import DataFileError
 from fedunlearn.benchmarks.muse_files import chunk_text, find_split_files, load_muse_files
+from tests.shared_paths import SHARED_DATA
 
 RAW = {
     "forget": ["Forget article one.", "Forget article two."],
@@ -144,7 +145,7 @@ def test_errors_name_file_and_column(tmp_path: Path) -> None:
 
 # --- damaged copies of the real files (issue 13): errors name the file and the record --------
 
-SHARED_MUSE = Path("/work/shared/data/muse-news")
+SHARED_MUSE = SHARED_DATA / "muse-news"
 
 
 def _real_muse(root: Path, qa_count: int) -> list[dict]:
