@@ -109,14 +109,14 @@ class StageResult:
     numbers: str = ""  # for the final ``real-check: ok`` line
 
 
-def tofu_data_folder() -> Path:
-    """``<repo>/../shared/data/tofu``, or a clear error when it is missing."""
-    if not (TOFU_DATA / "full.json").is_file():
+def tofu_data_folder(folder: Path) -> Path:
+    """``folder`` (the published TOFU files), or a clear error when it lacks them."""
+    if not (folder / "full.json").is_file():
         raise CheckError(
-            f"the real TOFU files are missing: {TOFU_DATA}/full.json does not exist "
-            "(the check reads shared/data/tofu beside the repository)"
+            f"the real TOFU files are missing: {folder}/full.json does not exist "
+            "(pass the folder of the published TOFU files with --tofu-dir)"
         )
-    return TOFU_DATA
+    return folder
 
 
 def load_stage(
@@ -203,10 +203,12 @@ def mean_nll(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records
     return float(answer_nll(model, tokenizer, questions, [r["answer"] for r in records]).mean())
 
 
-def flower_stage(folder: Path, model: PreTrainedModel, output_dir: Path, cuda: bool) -> StageResult:
+def flower_stage(
+    folder: Path, model: PreTrainedModel, output_dir: Path, cuda: bool, tofu_dir: Path
+) -> StageResult:
     """Stage 3: one real Flower round of FIRM, checked from the files it leaves on disk."""
     started = time.perf_counter()
-    run_config = f"model-path='{folder}' data-path='{tofu_data_folder()}' {RUN_CONFIG}"
+    run_config = f"model-path='{folder}' data-path='{tofu_data_folder(tofu_dir)}' {RUN_CONFIG}"
     federation = "client-resources-num-gpus=0.5" if cuda else ""  # else Ray hides the GPU
     plan = run_local.plan_run(run_config, federation, output_dir=output_dir)
     data = get_scenario("tofu")(plan.settings.scenario_params()).data
@@ -269,7 +271,13 @@ def run_checks(
     return checks
 
 
-def check_all(cuda: bool, output_dir: Path, cache_dir: Path, report: Callable[[str], None]) -> str:
+def check_all(
+    cuda: bool,
+    output_dir: Path,
+    cache_dir: Path,
+    report: Callable[[str], None],
+    tofu_dir: Path = TOFU_DATA,
+) -> str:
     """Run the three stages, ``report`` each one's lines; the ``ok`` line's details, or raise
     :class:`CheckError` naming the failed checks."""
     device = "cuda" if cuda else "cpu"
@@ -279,7 +287,7 @@ def check_all(cuda: bool, output_dir: Path, cache_dir: Path, report: Callable[[s
     report_stage(load, report)
     stages.append(mpu_stage(model, tokenizer))
     report_stage(stages[-1], report)
-    stages.append(flower_stage(folder, model, output_dir / "run", cuda))
+    stages.append(flower_stage(folder, model, output_dir / "run", cuda, tofu_dir))
     report_stage(stages[-1], report)
     failed = [f"{s.name}: {name}" for s in stages for name, ok in s.checks.items() if not ok]
     if failed:
@@ -300,6 +308,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuda", action="store_true", help="run on the CUDA device")
     parser.add_argument("--output-dir", type=Path, default=None, help="default outputs/real-check")
+    parser.add_argument(
+        "--tofu-dir",
+        type=Path,
+        default=TOFU_DATA,
+        help="folder of the published TOFU files (default: shared/data/tofu beside the repo)",
+    )
     args = parser.parse_args(argv)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (
@@ -309,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cuda and not torch.cuda.is_available():
             raise CheckError("--cuda was given but no CUDA device is available")
-        details = check_all(args.cuda, output_dir, run_local.default_cache_dir(), report)
+        details = check_all(
+            args.cuda, output_dir, run_local.default_cache_dir(), report, args.tofu_dir
+        )
     except CheckError as err:
         print(f"real-check: FAILED {err}", flush=True)
         return 1
