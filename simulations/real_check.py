@@ -90,7 +90,8 @@ RETAIN_TOLERANCE = 0.02
 RUN_CONFIG = (
     "tofu-subset-authors=2 forget-percent=0.5 num-forget-clients=1 num-retain-clients=1 "
     "retain-samples=20 forget-steps=5 retain-steps=5 forget-lr=5e-4 retain-lr=5e-4 gamma=4.0 "
-    "fisher-batches=2 eval-retain-samples=2 eval-max-new-tokens=16 mmlu-per-subject=0"
+    "fisher-batches=2 eval-retain-samples=2 eval-max-new-tokens=16 mmlu-per-subject=0 "
+    "lora-targets='q_proj,v_proj'"
 )
 
 

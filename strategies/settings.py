@@ -22,7 +22,8 @@ from strategies.merge_plugins import check_merge_call, resolve_merge
 from strategies.secret_files import check_secret_keys
 from strategies.settings_rules import RunConfigError, check_value, close_matches, key_name
 
-#: defaults for a real model (``model`` or ``model-path``) where a key is left on its default,
+#: defaults for a registry model (``model``) where a key is left on its default (a
+#: ``model-path`` checkpoint keeps the scenario's defaults: its size is unknown here),
 #: sized for a CPU: LoRA on the query and value projections of every layer (a dense task
 #: vector + Fisher of about 106 MB per client for SmolLM2-135M, against 850 MB for all seven
 #: projections), two forget clients and one retain client holding the 40 QA of the default
@@ -192,19 +193,19 @@ class RunSettings:
         check_value("scenario", self.scenario, str)
         unset = {f.name: f.default for f in fields(self)}
         defaults = dict(SCENARIOS[self.scenario].defaults)
-        real_model = self.model != "builtin" or bool(self.model_path)
-        if real_model:
+        registry_model = self.model != "builtin"
+        if registry_model:
             defaults.update(PRETRAINED_DEFAULTS)
         changes = {
             name: value for name, value in defaults.items() if getattr(self, name) == unset[name]
         }
-        if self.tofu_subset_authors == 0 and self.data_path and real_model:
+        if self.tofu_subset_authors == 0 and self.data_path and registry_model:
             changes["tofu_subset_authors"] = 200 if torch.cuda.is_available() else 4
         if (
             self.scenario == "muse"
             and self.muse_subset_texts == 0
             and self.data_path
-            and real_model
+            and registry_model
         ):
             # the published lists hold 100 items each (fedunlearn.benchmarks.muse_files)
             changes["muse_subset_texts"] = 100 if torch.cuda.is_available() else 16
