@@ -1,11 +1,9 @@
 """The multiple-choice evaluation command's report: accuracy and letter counts agree."""
 
-import torch
-
 from fedunlearn.benchmarks.mmlu_files import load_mc_jsonl
-from fedunlearn.evaluation.harness_mc import encode_pair
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from simulations.mc_eval import letter_counts, score
+from tests.letter_bias import always_answer
 from tests.shared_paths import shared_data
 
 
@@ -20,14 +18,7 @@ def test_a_model_that_always_answers_b_scores_the_share_of_b(tiny_tokenizer):
         eos_token_id=tiny_tokenizer.eos_token_id,
         pad_token_id=tiny_tokenizer.pad_token_id,
     )
-    model = new_tiny_llama(config, seed=0).eval()
-    (b_id,) = encode_pair(tiny_tokenizer, "Answer:", " B")[1]
-    old = model.lm_head
-    model.lm_head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(old.weight)
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[b_id] = 100.0
+    model = always_answer(new_tiny_llama(config, seed=0).eval(), tiny_tokenizer, "B")
     result = score(model, tiny_tokenizer, records, "biology")
     answers = letter_counts([r["answer"] for r in records])
     assert result["answers"] == answers and 0 < answers["B"] < 12

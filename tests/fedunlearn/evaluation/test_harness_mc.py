@@ -18,6 +18,7 @@ from fedunlearn.evaluation.harness_mc import (
 )
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
+from tests.letter_bias import always_answer
 from tests.shared_paths import SHARED_DATA
 
 SHARED_MMLU = SHARED_DATA / "mmlu"
@@ -163,14 +164,7 @@ def test_accuracy_is_argmax_of_independent_scores(letter_tokenizer, mmlu_records
 @pytest.mark.parametrize("which", ["letter", "tiny"])
 def test_a_model_that_always_says_b(which, letter_tokenizer, tiny_tokenizer, wmdp_records):
     tok = letter_tokenizer if which == "letter" else tiny_tokenizer
-    model = _model(tok)
-    (b_id,) = encode_pair(tok, "Answer:", " B")[1]
-    old = model.lm_head
-    model.lm_head = torch.nn.Linear(old.in_features, old.out_features, bias=True)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(old.weight)
-        model.lm_head.bias.zero_()
-        model.lm_head.bias[b_id] = 100.0
+    model = always_answer(_model(tok), tok, "B")
     result = harness_accuracy(model, tok, wmdp_records, topic="biology", disable_tqdm=True)
     share_b = sum(r["answer"] == 1 for r in wmdp_records) / len(wmdp_records)
     assert 0 < share_b < 1
