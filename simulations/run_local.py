@@ -213,7 +213,11 @@ def prepare_finetuned(settings: RunSettings, cache_dir: Path) -> None:
     scenario = get_scenario(settings.scenario)(settings.scenario_params())
     folder = ensure_finetuned(base, scenario, finetune_recipe(settings), cache_dir.resolve())
     info = json.loads((folder / FINETUNED_INFO).read_text())
-    knows = ", ".join(f"{k} {v:.3f}" for k, v in info.items() if k.endswith("rouge_l"))
+    knows = ", ".join(
+        f"{k} {v:.3f}"
+        for k, v in info.items()
+        if isinstance(v, float) and k.endswith(("rouge_l", "_forget"))
+    )
     print(f"fine-tuned model ready: {folder.name} ({knows})", flush=True)
 
 
