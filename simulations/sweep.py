@@ -168,6 +168,7 @@ def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -
     return {
         "strategy": other["strategy"],
         "gamma": other["gamma"],
+        "norm_final": results["merge"].get("norm_final"),
         "metrics": {k: results["metrics"]["after"].get(k) for k in names},
         "how": f"a whole Flower run ({results_path})",
     }
