@@ -216,6 +216,12 @@ def cached_entry_ok(
     return True
 
 
+def refuse_unmanifested(folder: Path) -> None:
+    """``legacy_check`` of :func:`cached_entry_ok` for entries that always had a manifest: an
+    entry without one is incomplete and is rebuilt."""
+    raise ValueError(f"{folder} has no manifest")
+
+
 def build_entry(
     folder: Path,
     completion: str,

@@ -26,9 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from fedunlearn.files import build_entry, cached_entry_ok, waiting_lock
+from fedunlearn.files import build_entry, cached_entry_ok, refuse_unmanifested, waiting_lock
 from fedunlearn.qa_format import encode_record
 from fedunlearn.scenarios import Scenario
 from fedunlearn.training.full import train_full
@@ -77,11 +82,13 @@ def _data_fields(scenario: Scenario) -> dict:
 
 
 def _finetune(
-    base: Path, scenario: Scenario, recipe: FinetuneRecipe, *, include_forget: bool, desc: str
+    base: Path,
+    tokenizer: PreTrainedTokenizerBase,
+    records: list[dict],
+    recipe: FinetuneRecipe,
+    desc: str,
 ) -> tuple[PreTrainedModel, list[float], float]:
-    tokenizer = AutoTokenizer.from_pretrained(base, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(base, local_files_only=True, dtype=torch.float32)
-    records = scenario.knowledge_records(include_forget=include_forget)
     examples = [encode_record(tokenizer, r, recipe.max_length) for r in records]
     started = time.perf_counter()
     losses = train_full(
@@ -109,14 +116,11 @@ def build_finetuned(base: Path, scenario: Scenario, recipe: FinetuneRecipe, fold
         "losses": {},
     }
     for part, include_forget in (("knowledgeable", True), ("reference", False)):
-        model, losses, seconds = _finetune(
-            base, scenario, recipe, include_forget=include_forget, desc=f"{part} fine-tune"
-        )
+        records = scenario.knowledge_records(include_forget=include_forget)
+        model, losses, seconds = _finetune(base, tokenizer, records, recipe, f"{part} fine-tune")
         info["losses"][part] = losses
         info["seconds"][part] = seconds
-        info["examples" if include_forget else "reference_examples"] = len(
-            scenario.knowledge_records(include_forget=include_forget)
-        )
+        info["examples" if include_forget else "reference_examples"] = len(records)
         started = time.perf_counter()
         check = scenario.check_knowledge if include_forget else scenario.check_reference
         info.update(check(model, tokenizer))
@@ -135,7 +139,7 @@ def ensure_finetuned(
     damaged (a second process building the same entry waits for the first)."""
     folder = finetuned_folder(base, scenario, recipe, cache_dir)
     with waiting_lock(folder.with_name(f"{folder.name}.lock"), "fine-tuning"):
-        if not cached_entry_ok(folder, FINETUNED_INFO, FINETUNED_KIND, _no_legacy):
+        if not cached_entry_ok(folder, FINETUNED_INFO, FINETUNED_KIND, refuse_unmanifested):
             logger.info("fine-tuning %s on %s into %s", base.name, scenario.name, folder)
             build_entry(
                 folder,
@@ -144,7 +148,3 @@ def ensure_finetuned(
                 lambda tmp: build_finetuned(base, scenario, recipe, tmp),
             )
     return folder
-
-
-def _no_legacy(folder: Path) -> None:
-    raise ValueError(f"{folder} has no manifest")

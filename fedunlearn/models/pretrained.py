@@ -26,7 +26,13 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from fedunlearn.files import build_entry, cached_entry_ok, sha256_file, waiting_lock
+from fedunlearn.files import (
+    build_entry,
+    cached_entry_ok,
+    refuse_unmanifested,
+    sha256_file,
+    waiting_lock,
+)
 
 CONVERT_INFO = "conversion_info.json"  # written last by a conversion
 CONVERT_KIND = "converted GGUF checkpoint"
@@ -133,7 +139,7 @@ def ensure_converted(gguf: Path, cache_dir: Path, name: str | None = None) -> Pa
         raise FileNotFoundError(f"GGUF file {str(gguf)!r} does not exist")
     folder = converted_folder(gguf, cache_dir, name)
     with waiting_lock(folder.with_name(f"{folder.name}.lock"), "GGUF conversion"):
-        if not cached_entry_ok(folder, CONVERT_INFO, CONVERT_KIND, _never_legacy):
+        if not cached_entry_ok(folder, CONVERT_INFO, CONVERT_KIND, refuse_unmanifested):
             logger.info("converting %s to a float32 checkpoint in %s", gguf, folder)
             build_entry(folder, CONVERT_INFO, CONVERT_KIND, lambda tmp: convert_gguf(gguf, tmp))
     return folder
@@ -142,7 +148,3 @@ def ensure_converted(gguf: Path, cache_dir: Path, name: str | None = None) -> Pa
 def pretrained_checkpoint(name: str, cache_dir: Path) -> Path:
     """The float32 checkpoint folder of registry model ``name`` (converted on first use)."""
     return ensure_converted(gguf_path(name), cache_dir, name)
-
-
-def _never_legacy(folder: Path) -> None:
-    raise ValueError(f"{folder} has no manifest")
