@@ -49,7 +49,10 @@ class ClientUpdate:
         domain: forget domain ``g`` (e.g. ``"bio"``); FIRM pools forget clients by it.
             Retain clients may leave it ``None``.
         num_examples: number of local training examples.
-        task_vector: ``{param_name: Δθ}``, the dense adapter update ``s·B@A`` per weight.
+        task_vector: ``{param_name: Δθ}``, the dense adapter update ``s·B@A`` per weight: a
+            dict, or any read-only mapping that yields the dense tensors (e.g.
+            ``fedunlearn.upload_codec.DecodedTensors``, decoding compact or on-disk uploads
+            one weight at a time).
         fisher: ``{param_name: F̂}``, the raw empirical Fisher diagonal (same keys and shapes as
             ``task_vector``), or ``None`` if the client did not compute it.
 
@@ -62,8 +65,8 @@ class ClientUpdate:
     role: str
     domain: str | None
     num_examples: int
-    task_vector: dict[str, torch.Tensor]
-    fisher: dict[str, torch.Tensor] | None = field(default=None)
+    task_vector: Mapping[str, torch.Tensor]
+    fisher: Mapping[str, torch.Tensor] | None = field(default=None)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -81,14 +84,14 @@ class ClientUpdate:
             raise TypeError(f"client {nid!r}: num_examples must be an int")
         if self.num_examples < 0:
             raise ValueError(f"client {nid!r}: num_examples must be >= 0, got {self.num_examples}")
-        if not isinstance(self.task_vector, dict) or not self.task_vector:
-            raise ValueError(f"client {nid!r}: task_vector must be a non-empty dict of tensors")
+        if not isinstance(self.task_vector, Mapping) or not self.task_vector:
+            raise ValueError(f"client {nid!r}: task_vector must be a non-empty mapping of tensors")
         for key, tv in self.task_vector.items():
             _check_tensor(nid, "task-vector", key, tv, nonneg=False)
         if self.fisher is None:
             return
-        if not isinstance(self.fisher, dict):
-            raise TypeError(f"client {nid!r}: fisher must be a dict of tensors or None")
+        if not isinstance(self.fisher, Mapping):
+            raise TypeError(f"client {nid!r}: fisher must be a mapping of tensors or None")
         missing = [k for k in self.task_vector if k not in self.fisher]
         extra = [k for k in self.fisher if k not in self.task_vector]
         if missing:

@@ -1,4 +1,5 @@
-"""Client-side LoRA training that ends in a dense task vector s·B@A per adapted weight."""
+"""Client-side LoRA training that ends in a task vector s·B@A per adapted weight (dense, or
+kept as its factors for a compact upload: :class:`fedunlearn.upload_codec.LowRankDelta`)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from fedunlearn.training.local_loop import (
     objective_context,
     run_objective_steps,
 )
+from fedunlearn.upload_codec import LowRankDelta
 
 ALL_LLAMA_PROJECTIONS = (
     "q_proj",
@@ -57,6 +59,17 @@ class LocalTrainSettings:
     seed: int = 0
     max_grad_norm: float = 1.0
     options: dict[str, float] = field(default_factory=dict)
+
+
+def _adapter_delta(module: LoraLayer, as_factors: bool) -> torch.Tensor | LowRankDelta:
+    """The trained adapter's s·B@A (float32, CPU), or its factors."""
+    if as_factors:
+        return LowRankDelta(
+            lora_B=module.lora_B["default"].weight.detach().to("cpu", torch.float32),
+            lora_A=module.lora_A["default"].weight.detach().to("cpu", torch.float32),
+            scaling=float(module.scaling["default"]),
+        )
+    return module.get_delta_weight("default").detach().to("cpu", torch.float32).contiguous()
 
 
 def lora_config(lora: LoraSettings) -> LoraConfig:
@@ -124,12 +137,15 @@ def train_lora_task_vector(
     show_progress: bool = False,
     retain_examples: Sequence[Example] | None = None,
     alternate_examples: Sequence[Example] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-    """Train a LoRA adapter on ``model`` and return its dense task vector and statistics.
+    as_factors: bool = False,
+) -> tuple[dict[str, torch.Tensor | LowRankDelta], dict[str, float]]:
+    """Train a LoRA adapter on ``model`` and return its task vector and statistics.
 
     The task vector maps each adapted base weight name (e.g.
-    ``model.layers.0.self_attn.q_proj.weight``) to s·B@A, same shape as that weight. The
-    adapter is removed afterwards, so ``model`` is returned to its received weights.
+    ``model.layers.0.self_attn.q_proj.weight``) to s·B@A, same shape as that weight (float32),
+    or with ``as_factors`` to its factors (:class:`LowRankDelta`, whose ``dense()`` is that
+    same tensor). The adapter is removed afterwards, so ``model`` is returned to its received
+    weights.
 
     ``retain_examples`` feed ``context.retain_batches`` (an endless seeded shuffled cycle with
     the same batch size; they take precedence over ``context.retain_batches``) for objectives
@@ -160,14 +176,13 @@ def train_lora_task_vector(
             show_progress=show_progress,
         )
         peft_model.eval()
-        task_vector: dict[str, torch.Tensor] = {}
+        task_vector: dict[str, torch.Tensor | LowRankDelta] = {}
         prefix = "base_model.model."
         with torch.no_grad():
             for name, module in peft_model.named_modules():
                 if isinstance(module, LoraLayer) and "default" in module.lora_A:
                     base_name = name[len(prefix) :] if name.startswith(prefix) else name
-                    delta = module.get_delta_weight("default").detach().to("cpu", torch.float32)
-                    task_vector[f"{base_name}.weight"] = delta.contiguous()
+                    task_vector[f"{base_name}.weight"] = _adapter_delta(module, as_factors)
     finally:
         # the adapter goes in every case: ``model`` is handed back with its received weights
         peft_model.unload()

@@ -1,0 +1,316 @@
+"""Compact uploads: how a client's task vector Δθ and Fisher diagonal F̂ travel as tensors.
+
+A client's summary (SPEC §1) is one task vector and one Fisher diagonal per adapted weight.
+Sent dense in float32 that is 8 bytes per weight entry; this module encodes each weight's
+pair more compactly as a flat ``{part name: tensor}`` dict (what a Flower ArrayRecord or a
+safetensors file holds) and decodes it back to dense tensors one weight at a time.
+
+Task-vector forms (``task-vector-upload``):
+
+* ``dense``: ``<key>`` holds Δθ itself;
+* ``factors``: a LoRA adapter's ``<key>::lora_B`` (d_out × r), ``<key>::lora_A`` (r × d_in)
+  and ``<key>::scaling`` (s, one number): Δθ = (B @ A) · s, computed exactly as PEFT computes
+  the adapter's delta weight, so the dense tensor is bit-for-bit the one a dense upload holds
+  (float32 on the CPU). r·(d_in + d_out) numbers instead of d_in·d_out.
+
+Fisher forms (``fisher-upload``):
+
+* ``dense``: ``<key>`` holds F̂ in float32;
+* ``bf16``: ``<key>::bf16`` holds F̂ rounded to bfloat16, as its 16-bit patterns (Flower's
+  arrays have no bfloat16); relative error ≤ 2⁻⁸ per entry;
+* ``topk``: ``<key>::topk_mask`` (one bit per entry, packed into bytes) marks the entries
+  ≥ the k'-th largest (k' = max(1, ⌊α'·d⌋), ties kept, zeros never), ``<key>::topk_value``
+  holds their values in float32, in index order; every other entry decodes as 0.
+  For a client whose own top-α FIRM uses (a retain client, or the only forget client of its
+  domain) this is exact whenever α' ≥ α: the maximum, the k-th largest value and every kept
+  entry are unchanged, and every dropped entry lies below FIRM's threshold.
+
+:class:`DecodedTensors` is a read-only ``Mapping[str, Tensor]`` over the parts (a dict or a
+memory-mapped safetensors file) that rebuilds one weight's dense tensor when it is asked for
+and keeps only the last one, so a merge that walks the weights one at a time holds one dense
+tensor per client.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+TASK_VECTOR_UPLOADS: tuple[str, ...] = ("dense", "factors")
+FISHER_UPLOADS: tuple[str, ...] = ("dense", "bf16", "topk")
+
+SEP = "::"
+_FACTOR_PARTS = ("lora_B", "lora_A", "scaling")
+_PART_FORMS = {
+    "lora_B": "factors",
+    "lora_A": "factors",
+    "scaling": "factors",
+    "bf16": "bf16",
+    "topk_mask": "topk",
+    "topk_value": "topk",
+}
+_FORM_PARTS = {"factors": _FACTOR_PARTS, "bf16": ("bf16",), "topk": ("topk_mask", "topk_value")}
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+class UploadFormatError(ValueError):
+    """An upload's parts cannot be decoded; ``key`` names the weight, the message the problem."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key, self.problem = key, problem
+        super().__init__(f"tensor {key!r}: {problem}")
+
+
+@dataclass(frozen=True)
+class LowRankDelta:
+    """A LoRA task vector Δθ = (B @ A) · s kept as its factors.
+
+    Attributes: ``lora_B`` (d_out × r), ``lora_A`` (r × d_in), ``scaling`` (s = lora_alpha / r).
+    """
+
+    lora_B: torch.Tensor
+    lora_A: torch.Tensor
+    scaling: float
+
+    def dense(self) -> torch.Tensor:
+        """Δθ in float32, computed as PEFT's ``get_delta_weight`` does."""
+        return (self.lora_B.float() @ self.lora_A.float()) * self.scaling
+
+
+def part_name(key: str, part: str) -> str:
+    """The flat name of ``part`` of weight ``key`` (``"<key>::<part>"``)."""
+    return f"{key}{SEP}{part}"
+
+
+# ---- encoding (client side) ----------------------------------------------------------------
+
+
+def encode_task_vector(
+    task_vector: Mapping[str, torch.Tensor | LowRankDelta], form: str
+) -> dict[str, torch.Tensor]:
+    """Flat parts of a task vector in ``form`` (``dense`` or ``factors``).
+
+    ``factors`` needs :class:`LowRankDelta` values (LoRA); dense tensors (full fine-tuning)
+    are always sent dense. ``dense`` turns factors into their dense float32 product.
+    """
+    if form not in TASK_VECTOR_UPLOADS:
+        raise ValueError(f"task-vector-upload must be one of {TASK_VECTOR_UPLOADS}, got {form!r}")
+    parts: dict[str, torch.Tensor] = {}
+    for key, value in task_vector.items():
+        if isinstance(value, LowRankDelta) and form == "factors":
+            parts[part_name(key, "lora_B")] = value.lora_B.float().contiguous()
+            parts[part_name(key, "lora_A")] = value.lora_A.float().contiguous()
+            parts[part_name(key, "scaling")] = torch.tensor([value.scaling], dtype=torch.float32)
+        elif isinstance(value, LowRankDelta):
+            parts[key] = value.dense().contiguous()
+        else:
+            parts[key] = value.contiguous()
+    return parts
+
+
+def kept_threshold(values: torch.Tensor, fraction: float) -> torch.Tensor:
+    """The k'-th largest entry of ``values`` (k' = max(1, ⌊fraction·d⌋), at most d)."""
+    d = values.numel()
+    k = min(d, max(1, math.floor(fraction * d * (1.0 + 1e-9))))
+    return torch.kthvalue(values.reshape(-1).float(), d - k + 1).values
+
+
+def pack_mask(mask: torch.Tensor) -> torch.Tensor:
+    """A boolean tensor as bytes, eight entries per byte (entry i → bit i % 8 of byte i // 8)."""
+    flat = mask.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 8
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return (flat.view(-1, 8) * _BITS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
+    """The boolean entries :func:`pack_mask` packed (the first ``numel`` of them)."""
+    bits = packed.reshape(-1, 1).bitwise_and(_BITS).ne(0)
+    return bits.reshape(-1)[:numel]
+
+
+def encode_fisher(
+    fisher: Mapping[str, torch.Tensor], form: str, fraction: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Flat parts of a Fisher diagonal in ``form`` (``dense``, ``bf16`` or ``topk``); ``topk``
+    keeps the top ``fraction`` α' of each tensor's entries (ties at the threshold kept)."""
+    if form not in FISHER_UPLOADS:
+        raise ValueError(f"fisher-upload must be one of {FISHER_UPLOADS}, got {form!r}")
+    if form == "topk" and not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fisher-upload-fraction must be in (0, 1], got {fraction}")
+    parts: dict[str, torch.Tensor] = {}
+    for key, value in fisher.items():
+        f = value.float()
+        if form == "dense":
+            parts[key] = f.contiguous()
+        elif form == "bf16":
+            parts[part_name(key, "bf16")] = f.to(torch.bfloat16).view(torch.int16).contiguous()
+        else:
+            keep = (f >= kept_threshold(f, fraction)) & (f > 0)
+            parts[part_name(key, "topk_mask")] = pack_mask(keep)
+            parts[part_name(key, "topk_value")] = f.reshape(-1)[keep.reshape(-1)].contiguous()
+    return parts
+
+
+def upload_bytes(parts: Mapping[str, torch.Tensor]) -> int:
+    """Payload bytes of ``parts`` (what the tensors take on the wire)."""
+    return sum(t.numel() * t.element_size() for t in parts.values())
+
+
+# ---- decoding (server side) ----------------------------------------------------------------
+
+
+def split_part(name: str) -> tuple[str, str | None]:
+    """``"<key>::<part>"`` → (key, part); a plain name → (name, None)."""
+    if SEP in name:
+        key, part = name.rsplit(SEP, 1)
+        return key, part
+    return name, None
+
+
+def group_parts(names: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
+    """``{weight key: (form, {part: flat name})}`` for the flat part ``names`` of one record;
+    ``UploadFormatError`` naming the weight for an unknown part, a mix of forms or a missing
+    part."""
+    grouped: dict[str, tuple[str, dict[str, str]]] = {}
+    for name in names:
+        key, part = split_part(name)
+        form = "dense" if part is None else _PART_FORMS.get(part)
+        if form is None:
+            raise UploadFormatError(key, f"unknown upload part {part!r}")
+        seen_form, parts = grouped.setdefault(key, (form, {}))
+        if seen_form != form:
+            raise UploadFormatError(key, f"mixes the upload forms {seen_form!r} and {form!r}")
+        parts[part or "dense"] = name
+    for key, (form, parts) in grouped.items():
+        missing = [p for p in _FORM_PARTS.get(form, ()) if p not in parts]
+        if missing:
+            raise UploadFormatError(key, f"{form} upload lacks its part(s) {missing}")
+    return grouped
+
+
+def decode_tensor(
+    key: str,
+    form: str,
+    parts: Mapping[str, torch.Tensor],
+    shape: tuple[int, ...] | None,
+) -> torch.Tensor:
+    """The dense tensor of weight ``key`` from its ``parts`` (``{part: tensor}``) in ``form``;
+    ``shape`` is the weight's shape (required for ``topk``, checked otherwise).
+    ``UploadFormatError`` names the weight and the problem (wrong dtype, shape or size)."""
+    if form == "dense":
+        out = _float(key, "dense", parts["dense"])
+    elif form == "factors":
+        out = _decode_factors(key, parts)
+    elif form == "bf16":
+        bits = parts["bf16"]
+        if bits.dtype != torch.int16:
+            raise UploadFormatError(key, f"bf16 part has dtype {bits.dtype}, expected int16")
+        out = bits.contiguous().view(torch.bfloat16).float()
+    else:
+        out = _decode_topk(key, parts, shape)
+    if shape is not None and tuple(out.shape) != tuple(shape):
+        raise UploadFormatError(
+            key, f"decodes to shape {tuple(out.shape)} but the weight has shape {tuple(shape)}"
+        )
+    return out
+
+
+def _float(key: str, part: str, t: torch.Tensor) -> torch.Tensor:
+    if not t.is_floating_point():
+        raise UploadFormatError(key, f"{part} part has non-floating dtype {t.dtype}")
+    return t
+
+
+def _decode_factors(key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    b = _float(key, "lora_B", parts["lora_B"])
+    a = _float(key, "lora_A", parts["lora_A"])
+    s = _float(key, "scaling", parts["scaling"])
+    if b.dim() != 2 or a.dim() != 2 or b.shape[1] != a.shape[0]:
+        raise UploadFormatError(
+            key, f"factors of shapes {tuple(b.shape)} and {tuple(a.shape)} do not multiply"
+        )
+    if b.shape[1] > min(b.shape[0], a.shape[1]):
+        raise UploadFormatError(key, f"factor rank {b.shape[1]} exceeds the weight's dimensions")
+    if s.numel() != 1:
+        raise UploadFormatError(key, f"scaling holds {s.numel()} numbers, expected 1")
+    return LowRankDelta(b, a, float(s.reshape(-1)[0])).dense()
+
+
+def _decode_topk(
+    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None
+) -> torch.Tensor:
+    if shape is None:
+        raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
+    numel = math.prod(shape)
+    packed, values = parts["topk_mask"], _float(key, "topk_value", parts["topk_value"])
+    if packed.dtype != torch.uint8 or packed.numel() != (numel + 7) // 8:
+        raise UploadFormatError(
+            key,
+            f"top-k mask has {packed.numel()} {packed.dtype} entries, expected "
+            f"{(numel + 7) // 8} uint8 for {numel} weights",
+        )
+    mask = unpack_mask(packed, numel)
+    count = int(mask.sum())
+    if values.dim() != 1 or values.numel() != count:
+        raise UploadFormatError(
+            key, f"top-k mask marks {count} entries but {values.numel()} values were sent"
+        )
+    out = torch.zeros(numel, dtype=torch.float32)
+    out[mask] = values.float()
+    return out.view(shape)
+
+
+class DecodedTensors(Mapping[str, torch.Tensor]):
+    """Dense tensors decoded on demand from flat parts, one weight at a time.
+
+    ``get_part(name)`` returns the flat part ``name`` (a dict's ``__getitem__`` or a
+    safetensors handle's ``get_tensor``); ``names`` are all flat part names; ``shapes`` the
+    weights' shapes (needed for ``topk``). The last decoded tensor is kept, so asking for the
+    same weight again (its dtype, then its values) decodes it once.
+    """
+
+    def __init__(
+        self,
+        names: list[str],
+        get_part: Callable[[str], torch.Tensor],
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        self._groups = group_parts(names)
+        self._get_part = get_part
+        self._shapes = shapes
+        self._last: tuple[str, torch.Tensor] | None = None
+
+    @classmethod
+    def from_parts(
+        cls, parts: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]] | None = None
+    ) -> DecodedTensors:
+        """Over an in-memory ``{flat name: tensor}`` dict."""
+        return cls(list(parts), parts.__getitem__, shapes)
+
+    def form(self, key: str) -> str:
+        """How weight ``key`` was uploaded (``dense``, ``factors``, ``bf16`` or ``topk``)."""
+        return self._groups[key][0]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        form, names = self._groups[key]
+        parts = {part: self._get_part(name) for part, name in names.items()}
+        shape = None if self._shapes is None else self._shapes.get(key)
+        tensor = decode_tensor(key, form, parts, shape)
+        self._last = (key, tensor)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._groups
