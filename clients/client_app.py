@@ -3,7 +3,8 @@
 On a TRAIN message the client rebuilds the model it was sent, materialises its own data
 shard, computes the empirical Fisher diagonal at the received weights (SPEC §1.1), trains a
 LoRA adapter (or, with ``finetune='full'``, the targeted weights themselves) with its role's
-objective and replies with the dense task vector, the Fisher diagonal and its metrics.
+objective and replies with the task vector, the Fisher diagonal and its metrics, in the
+run's upload forms (``task-vector-upload``, ``fisher-upload``: :mod:`fedunlearn.upload_codec`).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
 
+from clients.base_checkpoint import base_declaration, received_model
 from clients.fit_task import fit_reply
 from clients.local_data import client_scenario, shard
-from clients.messages import encode_client_reply, rebuild_model, rebuild_tokenizer
+from clients.messages import encode_client_reply, rebuild_tokenizer
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
@@ -32,6 +34,7 @@ from fedunlearn.training.lora import (
     parse_layers,
     train_lora_task_vector,
 )
+from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
 
 app = ClientApp()
 
@@ -55,12 +58,15 @@ def query(msg: Message, context: Context) -> Message:
     Replies ``{"node-info": {"role": ..., "partition-id": ...}}`` with only the keys the
     node config sets (simulation: ``partition-id`` alone); the server maps the scenario's
     clients onto the nodes with it (``strategies.node_roles``). The data path stays local.
+    A node that declares a ``base-checkpoint`` also replies its ``base-sha256`` (or
+    ``base-problem``): ``clients.base_checkpoint``.
     """
     info = {
         key: context.node_config[key]
         for key in ("role", "partition-id")
         if key in context.node_config
     }
+    info.update(base_declaration(context))
     return Message(content=RecordDict({"node-info": ConfigRecord(info)}), reply_to=msg)
 
 
@@ -114,7 +120,7 @@ def train(msg: Message, context: Context) -> Message:
     )
     outputs = []
     for arrays in received:
-        model = rebuild_model(config, arrays)
+        model = received_model(config, arrays, context)
         outputs.append(
             local_update(
                 model,
@@ -132,7 +138,10 @@ def train(msg: Message, context: Context) -> Message:
         "train_seconds": sum(o[2]["train_seconds"] for o in outputs),
         "total-seconds": time.perf_counter() - started,
         "task-vector-norm": outputs[-1][2]["task-vector-norm"],
-        "bytes-sent": sum(o[2]["bytes-sent"] for o in outputs),
+        **{
+            key: sum(o[2][key] for o in outputs)
+            for key in ("bytes-sent", "bytes-task-vector", "bytes-fisher", "bytes-dense")
+        },
         # the client process's peak resident memory so far (ru_maxrss, MiB on Linux)
         "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
@@ -199,17 +208,47 @@ def local_update(
             train=settings,
             retain_examples=retain_examples,
             alternate_examples=alternate_examples,
+            as_factors=str(config.get("task-vector-upload", "dense")) == "factors",
         )
     else:
         raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
-    tv_norm = torch.sqrt(sum((v.double() ** 2).sum() for v in task_vector.values())).item()
-    upload = sum(v.numel() * v.element_size() for v in task_vector.values())
-    upload += sum(v.numel() * v.element_size() for v in fisher.values())
+    tv_parts, fisher_parts, sizes = encode_upload(task_vector, fisher, config)
     metrics = {
         **stats,
+        **sizes,
         "fisher-seconds": fisher_seconds,
-        "task-vector-norm": tv_norm,
-        "bytes-sent": float(upload),
+        "task-vector-norm": task_vector_norm(task_vector),
         "cuda": float(next(model.parameters()).is_cuda),
     }
-    return task_vector, fisher, metrics
+    return tv_parts, fisher_parts, metrics
+
+
+def task_vector_norm(task_vector: dict[str, torch.Tensor | LowRankDelta]) -> float:
+    """‖Δθ‖ over every weight (float64), dense or kept as LoRA factors."""
+    dense = (v.dense() if isinstance(v, LowRankDelta) else v for v in task_vector.values())
+    return torch.sqrt(sum((t.double() ** 2).sum() for t in dense)).item()
+
+
+def encode_upload(
+    task_vector: dict[str, torch.Tensor | LowRankDelta],
+    fisher: dict[str, torch.Tensor],
+    config: ConfigRecord,
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+    """The task vector and Fisher as the run's upload forms (``task-vector-upload``,
+    ``fisher-upload``, ``fisher-upload-fraction``) and their sizes: ``bytes-task-vector``,
+    ``bytes-fisher``, ``bytes-sent`` (both) and ``bytes-dense`` (both as dense float32)."""
+    tv_parts = encode_task_vector(task_vector, str(config.get("task-vector-upload", "dense")))
+    fisher_parts = encode_fisher(
+        fisher,
+        str(config.get("fisher-upload", "dense")),
+        float(config.get("fisher-upload-fraction", 1.0)),
+    )
+    dense = 2 * 4 * sum(v.numel() for v in fisher.values())
+    tv_bytes, fisher_bytes = upload_bytes(tv_parts), upload_bytes(fisher_parts)
+    sizes = {
+        "bytes-task-vector": float(tv_bytes),
+        "bytes-fisher": float(fisher_bytes),
+        "bytes-sent": float(tv_bytes + fisher_bytes),
+        "bytes-dense": float(dense),
+    }
+    return tv_parts, fisher_parts, sizes

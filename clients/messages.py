@@ -3,14 +3,17 @@
 Server → client (TRAIN): ``arrays`` (the global model's weights), ``config`` (a
 ConfigRecord with the node's role, domain, shard, training settings, and how to rebuild the
 model and tokenizer: ``model-config-json``, ``tokenizer-json``).
-Client → server: ``task_vector`` and ``fisher`` (ArrayRecords keyed by model parameter
-names), ``metrics`` (MetricRecord) and ``info`` (ConfigRecord: role, domain, objective).
+Client → server: ``task_vector`` and ``fisher`` (ArrayRecords of upload parts keyed by model
+parameter names: dense tensors, LoRA factors, bf16 or top-k Fisher — see
+:mod:`fedunlearn.upload_codec`), ``metrics`` (MetricRecord) and ``info`` (ConfigRecord: role,
+domain, objective).
 """
 
 from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
@@ -19,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.models.llama import resolve_dtype
+from fedunlearn.upload_codec import DecodedTensors
 
 
 def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
@@ -43,11 +47,16 @@ def wire_state(model: torch.nn.Module) -> ArrayRecord:
 def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
     """Model skeleton from ``model-config-json`` filled with the received weights, in the
     run's ``dtype`` (auto: bfloat16 on CUDA, float32 on CPU), on CUDA when present."""
+    return model_from_state(config, arrays.to_torch_state_dict())
+
+
+def model_from_state(config: ConfigRecord, state: Mapping[str, torch.Tensor]) -> PreTrainedModel:
+    """:func:`rebuild_model` from weights already decoded (e.g. a node's base checkpoint with
+    the weights the server sent on top: ``clients.base_checkpoint.received_model``)."""
     spec = json.loads(str(config["model-config-json"]))
     model_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     dtype = resolve_dtype(str(config.get("dtype", "float32")))
     model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    state = arrays.to_torch_state_dict()
     missing, unexpected = model.load_state_dict(state, strict=False)
     real_missing = [k for k in missing if k not in _tied_keys(model)]
     if real_missing or unexpected:
@@ -100,10 +109,22 @@ def encode_client_reply(
     return content
 
 
-def decode_client_reply(node_id: int, content: RecordDict) -> tuple[ClientUpdate, dict]:
+def decoded_arrays(
+    record: ArrayRecord, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> DecodedTensors:
+    """The dense tensors of an uploaded record, decoded from its parts one weight at a time
+    when a merge asks for them (:mod:`fedunlearn.upload_codec`)."""
+    return DecodedTensors(list(record), lambda name: torch.from_numpy(record[name].numpy()), shapes)
+
+
+def decode_client_reply(
+    node_id: int, content: RecordDict, shapes: Mapping[str, tuple[int, ...]] | None = None
+) -> tuple[ClientUpdate, dict]:
     """Unpack a reply into a ``ClientUpdate`` and its metrics; errors (``ValueError`` /
     ``TypeError``) name the node. The server validates the reply before
-    (``strategies.reply_validation``); this only refuses what cannot be decoded at all."""
+    (``strategies.reply_validation``); this only refuses what cannot be decoded at all.
+    ``shapes`` (the global weights' shapes) are needed to decode a top-k Fisher; without
+    them the task vector's shapes are used."""
     for key in ("task_vector", "metrics", "info"):
         if key not in content:
             raise ValueError(f"client {node_id}: reply has no {key!r} record")
@@ -114,8 +135,10 @@ def decode_client_reply(node_id: int, content: RecordDict) -> tuple[ClientUpdate
     count = metrics["num-examples"]
     if not isinstance(count, int | float) or not math.isfinite(count) or count != int(count):
         raise ValueError(f"client {node_id}: num-examples {count!r} is not a whole number")
-    task_vector = content["task_vector"].to_torch_state_dict()
-    fisher = content["fisher"].to_torch_state_dict() if "fisher" in content else None
+    task_vector = decoded_arrays(content["task_vector"], shapes)
+    if shapes is None:
+        shapes = {key: tuple(task_vector[key].shape) for key in task_vector}
+    fisher = decoded_arrays(content["fisher"], shapes) if "fisher" in content else None
     update = ClientUpdate(
         node_id=node_id,
         role=str(info["role"]),

@@ -215,14 +215,18 @@ def decode_tensor(
         out = _decode_topk(key, parts, shape)
     if shape is not None and tuple(out.shape) != tuple(shape):
         raise UploadFormatError(
-            key, f"decodes to shape {tuple(out.shape)} but the weight has shape {tuple(shape)}"
+            key,
+            f"has shape {tuple(out.shape)} but the global weight has shape {tuple(shape)}"
+            + ("" if form == "dense" else f" (decoded from its {form} upload)"),
         )
     return out
 
 
 def _float(key: str, part: str, t: torch.Tensor) -> torch.Tensor:
     if not t.is_floating_point():
-        raise UploadFormatError(key, f"{part} part has non-floating dtype {t.dtype}")
+        dtype = str(t.dtype).removeprefix("torch.")
+        where = "" if part == "dense" else f"its {part} part "
+        raise UploadFormatError(key, f"{where}has non-floating dtype {dtype}")
     return t
 
 
@@ -295,6 +299,12 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
     def form(self, key: str) -> str:
         """How weight ``key`` was uploaded (``dense``, ``factors``, ``bf16`` or ``topk``)."""
         return self._groups[key][0]
+
+    def parts(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every flat part as uploaded (to store it without decoding)."""
+        for _, names in self._groups.values():
+            for name in names.values():
+                yield name, self._get_part(name)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self._last is not None and self._last[0] == key:

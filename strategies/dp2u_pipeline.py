@@ -48,6 +48,7 @@ from strategies.results import json_safe
 from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
 from strategies.settings import RunSettings
 from strategies.stage_cache import StageCache
+from strategies.upload_spool import SPOOL_DIR, UploadSpool
 
 DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
 UNLEARN_METHODS = ("ga", "graddiff", "kl", "idk")
@@ -138,15 +139,20 @@ class Dp2uPipeline:
             node_wait_timeout=s.node_wait_timeout,
             max_upload_mb=s.max_upload_mb,
             max_update_ratio=s.max_update_ratio,
+            spool=UploadSpool(s.resolved_output_dir() / SPOOL_DIR) if s.stream_uploads else None,
         )
         started = time.perf_counter()
-        result = strategy.start(
-            grid=self.grid,
-            initial_arrays=_arrays(start[1]),
-            num_rounds=rounds,
-            timeout=s.round_timeout,
-            train_config=ConfigRecord(),
-        )
+        try:
+            result = strategy.start(
+                grid=self.grid,
+                initial_arrays=_arrays(start[1]),
+                num_rounds=rounds,
+                timeout=s.round_timeout,
+                train_config=ConfigRecord(),
+            )
+        finally:
+            if strategy.spool is not None:
+                strategy.spool.clear()
         state = result.arrays.to_torch_state_dict()
         info = {
             "stage": stage,

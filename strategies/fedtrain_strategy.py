@@ -34,7 +34,7 @@ from fedunlearn.merging.sanity import (
     nonfinite_problem,
     tensors_norm,
 )
-from strategies.merge_strategy import wait_for_nodes
+from strategies.merge_strategy import drop_arrays, wait_for_nodes
 from strategies.reply_fields import (
     MAX_REPORTED,
     MetricRule,
@@ -58,6 +58,7 @@ from strategies.reply_validation import (
     expected_shapes,
     load_values,
 )
+from strategies.upload_spool import UploadSpool
 
 
 class FedTrainStrategy(Strategy):
@@ -92,7 +93,10 @@ class FedTrainStrategy(Strategy):
         node_wait_timeout: float = 120.0,
         max_upload_mb: float = 0.0,
         max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
+        spool: UploadSpool | None = None,
     ) -> None:
+        """``spool`` (``stream-uploads``): each client's weights go to disk as they are read
+        and are averaged from memory maps one tensor at a time (``strategies.upload_spool``)."""
         if not shards:
             raise ValueError("FedTrainStrategy needs at least one data shard")
         self.stage = stage
@@ -107,6 +111,7 @@ class FedTrainStrategy(Strategy):
         self.node_shard: dict[int, DataShard] = {}
         self.global_arrays: ArrayRecord | None = None
         self.rounds: list[dict[str, Any]] = []  # per round: client reports, seconds
+        self.spool = spool
 
     def summary(self) -> None:
         log(INFO, "\t└── FedAvg stage %s on %d data clients", self.stage, len(self.shards))
@@ -228,7 +233,9 @@ class FedTrainStrategy(Strategy):
             expected_shapes(self.global_arrays), tensors_per_copy=1
         )
         order = {node_id: i for i, node_id in enumerate(self.node_shard)}
-        valid: list[tuple[int, dict[str, torch.Tensor], int]] = []
+        if self.spool is not None:
+            self.spool.begin_round(server_round)
+        valid: list[tuple[int, Mapping[str, torch.Tensor], int]] = []
         reports: dict[int, dict[str, Any]] = {}
         extra: list[dict[str, Any]] = []  # replies of nodes not asked, or second replies
         for reply in replies:
@@ -241,6 +248,9 @@ class FedTrainStrategy(Strategy):
                     raise ReplyRejected(node_id, "replied twice; only the first reply counts")
                 reports[node_id] = report
                 state, fields = self._read_reply(node_id, reply, global_state, limit)
+                if self.spool is not None:
+                    state = self.spool.store_state(node_id, state)
+                    drop_arrays(reply)
             except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
                 report["excluded"] = exclusion_reason(node_id, err)
                 log(WARNING, "excluding client %s: %s", node_id, report["excluded"])

@@ -31,9 +31,17 @@ from fedunlearn.merging.sanity import (
 )
 from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
+from strategies.memory import phase_peak_bytes, reset_phase_peak
 from strategies.merge_plugins import merge_kwargs, resolve_merge
-from strategies.node_roles import assign_nodes
-from strategies.reply_fields import clip, exclusion_reason, reply_bytes
+from strategies.model_delivery import ModelDelivery
+from strategies.node_roles import assign_and_declare
+from strategies.reply_fields import (
+    array_bytes,
+    clip,
+    exclusion_reason,
+    metadata_bytes,
+    reply_bytes,
+)
 from strategies.reply_validation import (
     NO_REPLY_REASON,
     ReplyRejected,
@@ -48,6 +56,14 @@ from strategies.reply_validation import (
     validate_reply_content,
 )
 from strategies.results import json_safe
+from strategies.upload_spool import UploadSpool
+
+
+def drop_arrays(reply: Message) -> None:
+    """Free a read reply's arrays (with the streaming spool, its update lives on disk)."""
+    if not reply.has_error():
+        for name in list(reply.content.array_records):
+            del reply.content[name]
 
 
 def wait_for_nodes(grid: Grid, expected: int, timeout: float) -> list[int]:
@@ -110,6 +126,10 @@ class MergeStrategy(Strategy):
     round_offset : int (default: 0)
         Rounds finished before this start (a resumed run): Flower's round r is the run's round
         r + round_offset, which is what seeds, MPU keys and the checkpoint see.
+    spool : UploadSpool | None (default: None)
+        With a spool (``stream-uploads``), every validated upload is written to disk as it is
+        read and merged from a memory map one weight at a time (``strategies.upload_spool``);
+        without, uploads are decoded from the reply messages held in memory.
     """
 
     copies: int = 1  # copies of the model each node receives per round (MPU: m)
@@ -132,6 +152,7 @@ class MergeStrategy(Strategy):
         max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
         checkpoint: RunCheckpoint | None = None,
         round_offset: int = 0,
+        spool: UploadSpool | None = None,
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -162,8 +183,11 @@ class MergeStrategy(Strategy):
         self.client_reports: list[dict[str, Any]] = []
         self.last_updates: list[ClientUpdate] = []
         self.merge_seconds: float = 0.0
+        self.spool = spool
+        self.round_peak_rss_bytes = 0  # the last round's peak resident memory (VmHWM)
         self.checkpoint = checkpoint
         self.round_offset = int(round_offset)
+        self.delivery = ModelDelivery()  # full model, or what differs from a node's base
 
     def summary(self) -> None:
         roles = [a.role for a in self.assignments]
@@ -182,9 +206,12 @@ class MergeStrategy(Strategy):
         node_ids = wait_for_nodes(grid, len(self.assignments), self.node_wait_timeout)
         self.global_arrays = arrays
 
-        self.node_assignment = assign_nodes(
+        self.node_assignment, declarations = assign_and_declare(
             grid, node_ids, self.assignments, self.node_wait_timeout, self.node_assignment
         )
+        if declarations is not None:
+            self.delivery.declare(declarations)
+        self.delivery.start_round(server_round, arrays)
         messages = []
         for position, (node_id, assignment) in enumerate(self.node_assignment.items()):
             node_config = ConfigRecord(
@@ -203,6 +230,7 @@ class MergeStrategy(Strategy):
                 }
             )
             content = self.node_content(server_round, position, arrays, node_config)
+            self.delivery.record(node_id, content)
             messages.append(
                 Message(
                     content=content,
@@ -216,8 +244,11 @@ class MergeStrategy(Strategy):
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
-        """What node ``position`` receives: here the exact global weights (MPU overrides)."""
-        return RecordDict({"arrays": arrays, "config": node_config})
+        """What node ``position`` receives: the exact global weights, in full or (a node that
+        holds the base checkpoint) only those that differ from it (``strategies.
+        model_delivery``; MPU overrides)."""
+        node_id = list(self.node_assignment)[position]
+        return self.delivery.content(node_id, arrays, node_config)
 
     def reply_spec(self, node_id: int) -> ReplySpec:
         """What node ``node_id``'s reply must look like (assigned role and domain, the global
@@ -245,8 +276,9 @@ class MergeStrategy(Strategy):
         """A validated reply (``reply_validation.validate_reply_content``) as a
         ``ClientUpdate`` in the server's coordinates and the report fields it gives
         (objective, parsed metrics; MPU overrides)."""
-        fields = validate_reply_content(node_id, content, self.reply_spec(node_id))
-        update, _ = decode_client_reply(node_id, content)
+        spec = self.reply_spec(node_id)
+        fields = validate_reply_content(node_id, content, spec)
+        update, _ = decode_client_reply(node_id, content, spec.shapes)
         return update, fields
 
     def aggregate_train(
@@ -261,6 +293,9 @@ class MergeStrategy(Strategy):
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
         self.client_reports, self._reports = [], {}
+        reset_phase_peak()
+        if self.spool is not None:
+            self.spool.begin_round(server_round)
         updates = self._collect_updates(server_round, replies)
         updates = self._drop_inconsistent(updates)
         problem = check_min_replies(
@@ -274,6 +309,7 @@ class MergeStrategy(Strategy):
         result = self._merge(self._robust(updates))
         state = self._new_weights(server_round, result)
         self.last_merge = result
+        self.round_peak_rss_bytes = phase_peak_bytes()
         if self.checkpoint is not None:
             self.checkpoint.save(server_round, state, self.round_record())
             log(INFO, "round %d saved to %s", server_round, self.checkpoint.folder)
@@ -318,6 +354,9 @@ class MergeStrategy(Strategy):
                     raise ReplyRejected(node_id, "replied twice; only the first reply counts")
                 self._reports[node_id] = report
                 update, fields = self._read_reply(server_round, node_id, reply, limit)
+                if self.spool is not None:
+                    update = self.spool.store(update, self.reply_spec(node_id).shapes)
+                    drop_arrays(reply)
             except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
                 self._exclude(report, exclusion_reason(node_id, err))
                 continue
@@ -329,6 +368,8 @@ class MergeStrategy(Strategy):
                 report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
                 self.client_reports.append(report)
                 self._exclude(report, str(ReplyRejected(node_id, NO_REPLY_REASON)))
+        for report in self.client_reports:  # what each node was sent (model_delivery)
+            report.update(self.delivery.report(int(report["node_id"])))
         order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
         return sorted(updates, key=lambda u: order.get(int(u.node_id), len(order)))
 
@@ -342,7 +383,12 @@ class MergeStrategy(Strategy):
                 f"{clip(str(reply.error.reason))}",
             )
         check_payload_size(node_id, reply_bytes(reply.content), limit)
-        return self.decode_reply(server_round, node_id, reply.content)
+        sizes = {
+            "bytes_arrays": array_bytes(reply.content),
+            "bytes_metadata": metadata_bytes(reply.content),
+        }
+        update, fields = self.decode_reply(server_round, node_id, reply.content)
+        return update, {**fields, **sizes}
 
     def _drop_inconsistent(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """Exclude clients off the round's key set, then task-vector norm outliers of their
@@ -404,6 +450,8 @@ class MergeStrategy(Strategy):
                     **(self.last_merge.report if self.last_merge else {}),
                     "seconds": self.merge_seconds,
                     "update_ratio": self.update_ratio,
+                    "round_peak_rss_bytes": self.round_peak_rss_bytes,
+                    "streamed": self.spool is not None,
                 },
                 "assignments": [
                     {

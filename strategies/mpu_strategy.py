@@ -234,7 +234,7 @@ class MpuStrategy(MergeStrategy):
             # every copy is checked in its own coordinates before T⁻¹ touches it
             spec = self.reply_spec(node_id)
             fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
-            update, _ = decode_client_reply(node_id, copy_content)
+            update, _ = decode_client_reply(node_id, copy_content, spec.shapes)
             if first_update is not None and (update.fisher is None) != (fisher_sum is None):
                 raise ReplyRejected(f"{node_id} copy {k}", "sent a Fisher on some copies only")
             if (

@@ -68,6 +68,9 @@ class MetricRule:
 REPLY_METRICS: dict[str, MetricRule] = {
     "num-examples": MetricRule("num_examples", "count", 0, MAX_COUNT, required=True),
     "bytes-sent": MetricRule("bytes_sent", "count", 0, MAX_REPORTED),
+    "bytes-task-vector": MetricRule("bytes_task_vector", "count", 0, MAX_REPORTED),
+    "bytes-fisher": MetricRule("bytes_fisher", "count", 0, MAX_REPORTED),
+    "bytes-dense": MetricRule("bytes_dense", "count", 0, MAX_REPORTED),
     "task-vector-norm": MetricRule("task_vector_norm", low=0),
     "total-seconds": MetricRule("seconds", low=0, high=MAX_REPORTED),
     "train_seconds": MetricRule("train_seconds", low=0, high=MAX_REPORTED),
@@ -92,9 +95,19 @@ def _value_bytes(value: Any) -> int:
 def reply_bytes(content: RecordDict) -> int:
     """Bytes of the whole reply: every array's payload plus every key, text, bytes value and
     number of its metric and config records."""
-    total = sum(
+    return array_bytes(content) + metadata_bytes(content)
+
+
+def array_bytes(content: RecordDict) -> int:
+    """Payload bytes of the reply's arrays."""
+    return sum(
         len(array.data) for record in content.array_records.values() for array in record.values()
     )
+
+
+def metadata_bytes(content: RecordDict) -> int:
+    """Bytes of the reply's metric and config records (keys, texts, numbers)."""
+    total = 0
     for records in (content.metric_records, content.config_records):
         for name, record in records.items():
             total += len(name) + sum(len(k) + _value_bytes(v) for k, v in record.items())

@@ -35,11 +35,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 from flwr.app import Array, ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from fedunlearn.merging import MERGES
 from fedunlearn.merging.base import ROLES
 from fedunlearn.merging.sanity import MAX_ABS_VALUE
+from fedunlearn.upload_codec import DecodedTensors, UploadFormatError
 from strategies.reply_fields import (
     METADATA_ALLOWANCE,
     REPLY_METRICS,
@@ -335,20 +337,19 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> d
         "objective": short_text(node, "objective", info.get("objective"), required=False)
     }
     fields.update(parse_metrics(node, content["metrics"], REPLY_METRICS))
-    task_vector: ArrayRecord = content["task_vector"]
-    fisher: ArrayRecord | None = content["fisher"] if "fisher" in content else None
-    check_fisher_present(node, fisher is not None, spec)
+    has_fisher = "fisher" in content
+    check_fisher_present(node, has_fisher, spec)
+    task_vector = decoded_record(node, "task-vector", content["task_vector"], spec.shapes)
     check_task_vector_keys(node, list(task_vector), spec.shapes)
-    if fisher is not None:
-        check_fisher_keys(node, list(fisher), list(task_vector))
     records = [("task-vector", task_vector)]
-    if fisher is not None:
+    if has_fisher:
+        fisher = decoded_record(node, "Fisher", content["fisher"], spec.shapes)
+        check_fisher_keys(node, list(fisher), list(task_vector))
         records.append(("Fisher", fisher))
     tv_shapes: dict[str, tuple[int, ...]] = {}
     for kind, record in records:
-        for name, array in record.items():
-            values = load_values(node, kind, name, array)
-            check_dtype(node, kind, name, values.dtype)
+        for name in record:
+            values = decoded_values(node, kind, name, record)
             expected = spec.shapes[name] if spec.shapes is not None else tv_shapes.get(name)
             check_shape(node, kind, name, values.shape, expected)
             check_finite(node, kind, name, values)
@@ -359,3 +360,30 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> d
                 tv_shapes[name] = tuple(values.shape)
             del values
     return fields
+
+
+def decoded_record(
+    node: Any, kind: str, record: ArrayRecord, shapes: Mapping[str, tuple[int, ...]] | None
+) -> DecodedTensors:
+    """The record's weights, decoded one at a time from their upload parts
+    (:mod:`fedunlearn.upload_codec`); parts that do not form an upload are rejected."""
+    try:
+        return DecodedTensors(list(record), lambda name: _part(node, kind, record, name), shapes)
+    except UploadFormatError as err:
+        raise ReplyRejected(node, err.problem, kind=kind, tensor=err.key) from None
+
+
+def _part(node: Any, kind: str, record: ArrayRecord, name: str) -> torch.Tensor:
+    values = load_values(node, kind, name, record[name])
+    if values.dtype.kind not in "fiu":
+        raise ReplyRejected(node, f"has dtype {values.dtype}", kind=kind, tensor=name)
+    return torch.from_numpy(values)
+
+
+def decoded_values(node: Any, kind: str, name: str, record: DecodedTensors) -> np.ndarray:
+    """Weight ``name``'s dense values (floating point: the codec refuses other dtypes) as a
+    NumPy array."""
+    try:
+        return record[name].detach().numpy()
+    except UploadFormatError as err:
+        raise ReplyRejected(node, err.problem, kind=kind, tensor=name) from None

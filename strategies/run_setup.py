@@ -204,6 +204,9 @@ def client_settings(settings: RunSettings) -> dict[str, Any]:
         "load-in-4bit": settings.load_in_4bit,
         "dtype": settings.dtype,
         "fisher-batches": settings.fisher_batches,
+        "task-vector-upload": settings.task_vector_upload,
+        "fisher-upload": settings.fisher_upload,
+        "fisher-upload-fraction": settings.fisher_upload_fraction,
         "seed": settings.seed,
         "client-threads": settings.client_threads,
     }

@@ -31,6 +31,7 @@ from strategies.checkpoint import (
 )
 from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.eval_cache import cached_evaluation, evaluation_key
+from strategies.memory import peak_rss_bytes
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from strategies.results import format_summary_table, json_safe, summary_names
@@ -43,6 +44,7 @@ from strategies.run_setup import (
 )
 from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
+from strategies.upload_spool import SPOOL_DIR, UploadSpool
 
 app = ServerApp()
 
@@ -134,6 +136,7 @@ def main(grid: Grid, context: Context) -> None:
         "max_update_ratio": settings.max_update_ratio,
         "checkpoint": checkpoint,
         "round_offset": done,
+        "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.stream_uploads else None,
     }
     if settings.strategy == "mpu":
         strategy: MergeStrategy = MpuStrategy(
@@ -203,6 +206,9 @@ def main(grid: Grid, context: Context) -> None:
         results["uploads"] = str(save_uploads(strategy.last_updates, output_dir / "uploads"))
     elif settings.save_uploads:
         log(INFO, "no round ran in this process: the uploads of the last round are not saved")
+    if strategy.spool is not None:
+        strategy.spool.clear()
+    phases["server_peak_rss_bytes"] = peak_rss_bytes()
     _write_results(output_dir, results, metrics, scenario)
 
 

@@ -69,6 +69,9 @@ class RunSettings:
     dtype: str = "auto"
     load_in_4bit: bool = False
     cache_dir: str = ""
+    # a node's local copy of the initial checkpoint (simulated nodes; a SuperNode's node config
+    # wins): it is sent only the weights that differ from it (clients.base_checkpoint)
+    base_checkpoint: str = ""
     # built-in substrate (ignored with model-path)
     substrate_hidden_size: int = 192
     substrate_layers: int = 4
@@ -94,6 +97,11 @@ class RunSettings:
     lora_layers: str = "auto"
     finetune: str = "lora"  # lora | full (train the targeted weights themselves)
     fisher_batches: int = 20
+    # what a client uploads (fedunlearn.upload_codec)
+    task_vector_upload: str = "factors"  # factors (LoRA's B, A, s) | dense
+    fisher_upload: str = "topk"  # topk | bf16 | dense
+    fisher_upload_fraction: float = 0.15  # α' of topk; >= alpha for FIRM
+    stream_uploads: bool = True  # uploads to disk as read, merged from memory maps
     # objective options (SPEC §6); each objective reads its own
     graddiff_alpha: float = 1.0
     npo_beta: float = 0.1
@@ -288,6 +296,7 @@ class RunSettings:
             )
         if self.strategy == "dp2u":
             return
+        self._validate_fisher_upload()
         key, merge = (
             ("mpu-merge", self.mpu_merge) if self.strategy == "mpu" else ("strategy", self.strategy)
         )
@@ -295,6 +304,16 @@ class RunSettings:
             check_merge_call(resolve_merge(merge), self.merge_parameters())
         except ValueError as err:
             raise RunConfigError(f"run-config key {key!r} = {merge!r}: {err}") from err
+
+    def _validate_fisher_upload(self) -> None:
+        """A top-k Fisher upload keeps at least FIRM's own top-``alpha`` of every tensor."""
+        firm = "firm" in (self.strategy, self.mpu_merge if self.strategy == "mpu" else "")
+        if firm and self.fisher_upload == "topk" and self.fisher_upload_fraction < self.alpha:
+            raise RunConfigError(
+                f"run-config key 'fisher-upload-fraction' = {self.fisher_upload_fraction:g} is "
+                f"below alpha = {self.alpha:g}: FIRM keeps each client's top-alpha Fisher "
+                "entries, so a top-k upload must keep at least that many"
+            )
 
     def _validate_clients(self) -> None:
         """``min-replies`` within the run's clients; a WMDP forget client per forget domain."""

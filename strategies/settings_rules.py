@@ -26,6 +26,7 @@ from fedunlearn.models.pretrained import model_names
 from fedunlearn.objectives import OBJECTIVES
 from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS
 from fedunlearn.training.lora import parse_layers
+from fedunlearn.upload_codec import FISHER_UPLOADS, TASK_VECTOR_UPLOADS
 from strategies.merge_plugins import resolve_merge
 from strategies.mpu_strategy import MPU_MODES
 
@@ -160,6 +161,8 @@ RULES: dict[str, Rule] = {
     "dtype": OneOf(lambda: DTYPES),
     "model": OneOf(model_names),
     "finetune": OneOf(lambda: FINETUNE_MODES),
+    "task_vector_upload": OneOf(lambda: TASK_VECTOR_UPLOADS),
+    "fisher_upload": OneOf(lambda: FISHER_UPLOADS),
     "retain_layout": OneOf(lambda: RETAIN_LAYOUTS),
     "lora_layers": Parsed(check_lora_layers),
     "solver": OneOf(lambda: SOLVERS),
@@ -201,6 +204,7 @@ RULES: dict[str, Rule] = {
     "lora_rank": POSITIVE_INT,
     "lora_alpha": POSITIVE,
     "fisher_batches": POSITIVE_INT,
+    "fisher_upload_fraction": FRACTION,
     "client_threads": POSITIVE_INT,
     # objective options
     "graddiff_alpha": NON_NEGATIVE,

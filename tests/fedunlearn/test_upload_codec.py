@@ -150,7 +150,7 @@ def test_decoding_errors_name_the_weight_and_the_problem():
     with pytest.raises(UploadFormatError, match="mixes the upload forms"):
         _decoded({"w": torch.zeros(2), "w::bf16": torch.zeros(2, dtype=torch.int16)}, None)
     with pytest.raises(
-        UploadFormatError, match=r"shape \(4, 4\) but the weight has shape \(4, 5\)"
+        UploadFormatError, match=r"shape \(4, 4\) but the global weight has shape \(4, 5\) \(decoded from its factors"
     ):
         _decoded(
             {

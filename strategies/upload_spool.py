@@ -1,0 +1,112 @@
+"""The streaming server's store: each validated upload goes to disk as it is read.
+
+``MergeStrategy`` (``stream-uploads = true``, the default) writes every client's validated
+upload parts — task vector and Fisher, in whatever compact form the client sent them — to
+``<output-dir>/uploads-spool/round-<r>/node-<id>.safetensors``, drops the arrays from the
+reply message, and hands the merge a :class:`~fedunlearn.merging.ClientUpdate` whose tensors
+are decoded from a memory map of that file one weight at a time
+(:class:`~fedunlearn.upload_codec.DecodedTensors`). A merge that walks the weights one by one
+(all of the project's do) then holds one dense tensor per client instead of every upload.
+
+The spool keeps the last round's files (``save-uploads`` and the MPU harmonic aggregation read
+them after the round) and removes only files it wrote itself: the previous round's folder when
+a new round starts, everything when the run ends.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from fedunlearn.merging import ClientUpdate
+from fedunlearn.upload_codec import DecodedTensors
+
+SPOOL_DIR = "uploads-spool"
+_PREFIXES = ("task_vector", "fisher")
+
+
+def _parts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Upload parts of a decoded record (as received), or a dense mapping's tensors."""
+    if isinstance(tensors, DecodedTensors):
+        return {name: part.contiguous() for name, part in tensors.parts()}
+    return {name: t.contiguous() for name, t in tensors.items()}
+
+
+class UploadSpool:
+    """Per-round folder of uploads on disk (see the module docstring)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = Path(folder)
+        self._round_dir: Path | None = None
+        self._handles: list = []
+
+    def begin_round(self, server_round: int) -> None:
+        """Forget the previous round's files and start ``round-<server_round>``."""
+        self.clear()
+        self._round_dir = self.folder / f"round-{server_round}"
+        self._round_dir.mkdir(parents=True, exist_ok=True)
+
+    def store(
+        self, update: ClientUpdate, shapes: Mapping[str, tuple[int, ...]] | None
+    ) -> ClientUpdate:
+        """Write ``update``'s upload parts to its file; the same update, read from disk."""
+        tensors = {f"task_vector/{k}": v for k, v in _parts(update.task_vector).items()}
+        if update.fisher is not None:
+            tensors.update({f"fisher/{k}": v for k, v in _parts(update.fisher).items()})
+        handle = self._write(update.node_id, tensors)
+        del tensors
+        records: dict[str, list[str]] = {prefix: [] for prefix in _PREFIXES}
+        for name in handle.keys():  # noqa: SIM118 — a safetensors handle, not a dict
+            prefix, part = name.split("/", 1)
+            records[prefix].append(part)
+
+        def record(prefix: str) -> DecodedTensors:
+            return DecodedTensors(
+                records[prefix], lambda part: handle.get_tensor(f"{prefix}/{part}"), shapes
+            )
+
+        return ClientUpdate(
+            node_id=update.node_id,
+            role=update.role,
+            domain=update.domain,
+            num_examples=update.num_examples,
+            task_vector=record("task_vector"),
+            fisher=record("fisher") if update.fisher is not None else None,
+        )
+
+    def store_state(self, node_id: int, state: Mapping[str, torch.Tensor]) -> DecodedTensors:
+        """Write a client's weights (a FedAvg reply) to its file; the same weights, read from
+        disk one tensor at a time."""
+        handle = self._write(node_id, {k: v.contiguous() for k, v in state.items()})
+        return DecodedTensors(list(handle.keys()), handle.get_tensor)
+
+    def _write(self, node_id: int | str, tensors: dict[str, torch.Tensor]):
+        """Save ``tensors`` as ``node-<node_id>.safetensors`` (atomically) and open it."""
+        if self._round_dir is None:
+            raise RuntimeError("UploadSpool used before begin_round")
+        path = self._round_dir / f"node-{node_id}.safetensors"
+        partial = path.with_suffix(".partial")
+        save_file(tensors, str(partial))
+        os.replace(partial, path)
+        handle = safe_open(str(path), framework="pt")
+        self._handles.append(handle)
+        return handle
+
+    def clear(self) -> None:
+        """Remove every round folder this spool wrote (and the spool folder once empty)."""
+        self._handles.clear()
+        if self._round_dir is not None and self._round_dir.is_dir():
+            for path in self._round_dir.glob("node-*.safetensors"):
+                path.unlink()
+            for path in self._round_dir.glob("node-*.partial"):
+                path.unlink()
+            if not any(self._round_dir.iterdir()):
+                self._round_dir.rmdir()
+        self._round_dir = None
+        if self.folder.is_dir() and not any(self.folder.iterdir()):
+            self.folder.rmdir()

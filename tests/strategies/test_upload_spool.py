@@ -1,0 +1,114 @@
+"""The streaming server: uploads go to disk as they are read, compact uploads merge exactly."""
+
+from __future__ import annotations
+
+import torch
+from flwr.app import ArrayRecord, Message
+
+from clients.messages import encode_client_reply
+from fedunlearn.scenarios import ClientAssignment
+from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector
+from strategies.merge_strategy import MergeStrategy
+from strategies.upload_spool import UploadSpool
+from tests.strategies.replies import reply_metadata
+
+Q = "model.layers.0.self_attn.q_proj.weight"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+SHAPES = {Q: (64, 64), DOWN: (64, 96), "model.norm.weight": (64,)}
+NODES = (11, 12, 13, 14)
+# one forget client per domain and two retain clients: a top-α' Fisher (α' ≥ α) is exact
+ASSIGNMENTS = [
+    ClientAssignment("forget", "a", (0,)),
+    ClientAssignment("forget", "b", (1,)),
+    ClientAssignment("retain", "retain", (2,)),
+    ClientAssignment("retain", "retain", (3,)),
+]
+
+
+def _strategy(**kwargs) -> MergeStrategy:
+    strategy = MergeStrategy(
+        merge="firm",
+        merge_parameters={"gamma": 1.0, "alpha": 0.1, "epsilon": 1e-9},
+        assignments=ASSIGNMENTS,
+        **kwargs,
+    )
+    strategy.node_assignment = dict(zip(NODES, ASSIGNMENTS, strict=True))
+    strategy.global_arrays = ArrayRecord({k: torch.zeros(s) for k, s in SHAPES.items()})
+    return strategy
+
+
+def _upload(node: int) -> tuple[dict[str, LowRankDelta], dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(node)
+    tv, fisher = {}, {}
+    for name in (Q, DOWN):
+        rows, cols = SHAPES[name]
+        tv[name] = LowRankDelta(
+            0.1 * torch.randn(rows, 4, generator=g), 0.1 * torch.randn(4, cols, generator=g), 2.0
+        )
+        fisher[name] = 1e-6 * torch.exp(2 * torch.randn(rows, cols, generator=g))
+    return tv, fisher
+
+
+def _replies(tv_form: str, fisher_form: str) -> list[Message]:
+    out = []
+    for node, assignment in zip(NODES, ASSIGNMENTS, strict=True):
+        tv, fisher = _upload(node)
+        content = encode_client_reply(
+            role=assignment.role,
+            domain=assignment.domain,
+            objective="ga",
+            num_examples=4,
+            task_vector=encode_task_vector(tv, tv_form),
+            fisher=encode_fisher(fisher, fisher_form, 0.15),
+            metrics={},
+        )
+        out.append(Message(content, metadata=reply_metadata(node)))
+    return out
+
+
+def test_compact_uploads_merge_bit_for_bit_like_dense_ones_and_are_smaller(tmp_path):
+    dense_replies = _replies("dense", "dense")
+    compact_replies = _replies("factors", "topk")
+    sizes = [
+        sum(len(a.data) for r in m.content.array_records.values() for a in r.values())
+        for m in (dense_replies[0], compact_replies[0])
+    ]
+    assert sizes[1] * 4 < sizes[0]
+    dense, _ = _strategy().aggregate_train(1, dense_replies)
+    strategy = _strategy(spool=UploadSpool(tmp_path / "spool"))
+    compact, _ = strategy.aggregate_train(1, compact_replies)
+    assert strategy.last_merge.report["tensors"][Q]["projection"]["active"]  # ε binds
+    for key, value in dense.to_torch_state_dict().items():
+        assert torch.equal(compact.to_torch_state_dict()[key], value), key
+
+
+def test_streaming_writes_each_upload_to_disk_and_frees_the_message(tmp_path):
+    spool = UploadSpool(tmp_path / "spool")
+    replies = _replies("dense", "dense")
+    strategy = _strategy(spool=spool)
+    streamed, _ = strategy.aggregate_train(1, replies)
+    files = sorted(p.name for p in (tmp_path / "spool" / "round-1").iterdir())
+    assert files == [f"node-{n}.safetensors" for n in NODES]
+    assert all(not m.content.array_records for m in replies)  # arrays dropped once stored
+    assert strategy.client_reports and "excluded" not in str(strategy.client_reports)
+    in_memory, _ = _strategy().aggregate_train(1, _replies("dense", "dense"))
+    for key, value in in_memory.to_torch_state_dict().items():
+        assert torch.equal(streamed.to_torch_state_dict()[key], value), key
+    # the uploads stay readable until the next round (save-uploads reads them after the run)
+    assert torch.equal(strategy.last_updates[0].task_vector[Q], _upload(11)[0][Q].dense())
+    assert strategy.round_record()["merge"]["streamed"] is True
+    assert strategy.round_record()["merge"]["round_peak_rss_bytes"] > 0
+
+
+def test_spool_removes_only_its_own_files(tmp_path):
+    spool = UploadSpool(tmp_path / "spool")
+    strategy = _strategy(spool=spool)
+    strategy.aggregate_train(1, _replies("factors", "topk"))
+    foreign = tmp_path / "spool" / "round-1" / "notes.txt"
+    foreign.write_text("not the spool's")
+    strategy.aggregate_train(2, _replies("factors", "topk"))  # a new round drops round 1's
+    assert sorted(p.name for p in (tmp_path / "spool" / "round-1").iterdir()) == ["notes.txt"]
+    assert len(list((tmp_path / "spool" / "round-2").iterdir())) == len(NODES)
+    spool.clear()
+    assert not (tmp_path / "spool" / "round-2").exists()
+    assert foreign.read_text() == "not the spool's"
