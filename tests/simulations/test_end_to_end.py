@@ -171,3 +171,36 @@ def test_plugin_merge_through_flower(tmp_path, checkpoint, monkeypatch):
     assert merge["norm_final"] > 0
     assert results["config"]["strategy"] == "my_merges:half_sum"
     assert results["metrics"]["after"] != results["metrics"]["before"]
+
+
+def test_compact_streamed_uploads_give_the_dense_runs_merge_at_a_fraction_of_the_bytes(
+    tmp_path, checkpoint
+):
+    """The defaults (LoRA factors, top-k Fisher, uploads spooled to disk) merge exactly what
+    dense float32 uploads held in memory merge: one forget client, so every client's top-k
+    Fisher (α' ≥ α) is exact, and factors decode bit for bit."""
+    runs = {}
+    for name, options in {
+        "compact": "",
+        "dense": "task-vector-upload='dense' fisher-upload='dense' stream-uploads=false",
+    }.items():
+        path = run_local.run(
+            run_config=f"model-path='{checkpoint}' {SMALL_RUN} num-forget-clients=1 {options}",
+            output_dir=tmp_path / name,
+            flwr_home=tmp_path / "flwr_home",
+        )
+        runs[name] = json.loads(path.read_text())
+    compact, dense = runs["compact"], runs["dense"]
+    assert compact["merge"]["streamed"] and not dense["merge"]["streamed"]
+    assert not (tmp_path / "compact" / "uploads-spool").exists()  # removed after the run
+    for key, tensor in dense["merge"]["tensors"].items():
+        assert compact["merge"]["tensors"][key]["norm_final"] == tensor["norm_final"], key
+    assert compact["metrics"]["after"] == dense["metrics"]["after"]
+    for small, full in zip(compact["clients"], dense["clients"], strict=True):
+        assert full["bytes_sent"] == full["bytes_dense"] == small["bytes_dense"]
+        assert small["bytes_sent"] * 4 < full["bytes_sent"]
+        assert small["bytes_task_vector"] + small["bytes_fisher"] == small["bytes_sent"]
+        # what the server received: the payload plus NumPy's per-array header
+        assert small["bytes_sent"] < small["bytes_arrays"] < 1.2 * small["bytes_sent"]
+        assert small["bytes_metadata"] > 0
+    assert compact["seconds"]["server_peak_rss_bytes"] > 0
