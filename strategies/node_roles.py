@@ -11,6 +11,11 @@ assignments onto the nodes that declared the matching role, in ``partition-id`` 
 When no node declares a role (simulation, where the node config only has ``partition-id``
 and ``num-partitions``), node i in sorted node-id order gets assignment i, as before.
 
+The same query asks for the sha256 of the node's ``base-checkpoint``, if it declares one
+(``clients.base_checkpoint``): where it matches the server's initial weights, the node is
+sent only the weights that differ from them (``strategies.model_delivery``). A hash that is
+not 64 hex digits counts as no base (logged); the node keeps its role.
+
 No single node can abort the run from here (issue 13): a node whose answer cannot be read
 (an error, no ``node-info`` record, a ``role`` that is no short string, a ``partition-id``
 that is no whole number >= 0) is refused — logged with the problem and counted as having
@@ -21,6 +26,7 @@ node that declared nothing stays idle as long as the declared nodes fill the sce
 from __future__ import annotations
 
 import math
+import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -30,6 +36,7 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
+from clients.base_checkpoint import BASE_PROBLEM_KEY, BASE_SHA_KEY
 from fedunlearn.scenarios import ClientAssignment
 
 ROLE_KEY = "role"
@@ -44,6 +51,8 @@ class NodeDeclaration:
     node_id: int
     role: str | None = None
     partition_id: int | None = None
+    base_sha256: str | None = None  # the hash of its base-checkpoint
+    base_problem: str | None = None  # why its declared base-checkpoint cannot be used
 
     def describe(self) -> str:
         partition = "" if self.partition_id is None else f" (partition-id={self.partition_id})"
@@ -164,11 +173,33 @@ def declaration_from_record(node_id: int, record: ConfigRecord) -> NodeDeclarati
             f"node {node_id} declares {ROLE_KEY}={_shown(role)}, not a name of at most "
             f"{MAX_ROLE_CHARS} characters"
         )
+    base_sha256, base_problem = _base(node_id, record)
     return NodeDeclaration(
         node_id=int(node_id),
         role=None if role is None or role == "" else role,
         partition_id=None if pid is None else _partition_id(node_id, pid),
+        base_sha256=base_sha256,
+        base_problem=base_problem,
     )
+
+
+def _base(node_id: int, record: ConfigRecord) -> tuple[str | None, str | None]:
+    """(sha256, problem) of the node's base-checkpoint; a malformed hash is a problem."""
+    sha256, problem = record.get(BASE_SHA_KEY), record.get(BASE_PROBLEM_KEY)
+    if problem is not None:
+        return None, str(problem)[:300]
+    if sha256 is None:
+        return None, None
+    if isinstance(sha256, str) and re.fullmatch(r"[0-9a-f]{64}", sha256):
+        return sha256, None
+    log(
+        WARNING,
+        "node %s: %s=%s is no sha256; it counts as no base",
+        node_id,
+        BASE_SHA_KEY,
+        _shown(sha256),
+    )
+    return None, f"{BASE_SHA_KEY}={_shown(sha256)} is no sha256"
 
 
 def _partition_id(node_id: int, pid: object) -> int:
@@ -198,7 +229,9 @@ def query_declarations(
     node_ids = [int(n) for n in node_ids]
     messages = [
         Message(
-            content=RecordDict({QUERY_KEY: ConfigRecord({"ask": [ROLE_KEY, PARTITION_KEY]})}),
+            content=RecordDict(
+                {QUERY_KEY: ConfigRecord({"ask": [ROLE_KEY, PARTITION_KEY, BASE_SHA_KEY]})}
+            ),
             message_type=MessageType.QUERY,
             dst_node_id=node_id,
             group_id="node-roles",
@@ -246,13 +279,25 @@ def assign_nodes(
     ``previous`` (the last round's mapping) is kept when all its nodes are still connected,
     so a node keeps its shard across rounds and is queried only once.
     """
+    return assign_and_declare(grid, node_ids, assignments, timeout, previous)[0]
+
+
+def assign_and_declare(
+    grid: Grid,
+    node_ids: Sequence[int],
+    assignments: Sequence[ClientAssignment],
+    timeout: float,
+    previous: Mapping[int, ClientAssignment] | None = None,
+) -> tuple[dict[int, ClientAssignment], dict[int, NodeDeclaration] | None]:
+    """:func:`assign_nodes` and the declarations it read (None: ``previous`` was kept and no
+    node was queried)."""
     if (
         previous
         and len(previous) == len(assignments)
         and set(previous) <= {int(n) for n in node_ids}
         and list(previous.values()) == list(assignments)
     ):
-        return dict(previous)
+        return dict(previous), None
     declarations = query_declarations(grid, node_ids, timeout)
     mapping = assign_by_declared_roles(node_ids, assignments, declarations)
     if any(d.role is not None for d in declarations.values()):
@@ -269,4 +314,4 @@ def assign_nodes(
                 for node_id, a in mapping.items()
             ),
         )
-    return mapping
+    return mapping, declarations

@@ -1,0 +1,68 @@
+"""Real Flower simulations where the nodes hold the base checkpoint (``base-checkpoint``):
+they are sent only the weights that differ from it, and the run ends with the same weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from clients.base_checkpoint import DELTA
+from fedunlearn.models.llama import new_tiny_llama
+from simulations import run_local
+from strategies.checkpoint import CHECKPOINT_DIR, WEIGHTS_FILE
+
+pytestmark = pytest.mark.slow
+
+SMALL_RUN = (  # as in test_mpu_flower.py
+    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
+    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+)
+
+
+def _run(tmp_path, name: str, checkpoint, options: str = "num-rounds=2") -> tuple[dict, dict]:
+    path = run_local.run(
+        run_config=f"model-path='{checkpoint}' {SMALL_RUN} {options}",
+        output_dir=tmp_path / name,
+        flwr_home=tmp_path / f"{name}-flwr",
+    )
+    weights = load_file(path.parent / CHECKPOINT_DIR / WEIGHTS_FILE)
+    return json.loads(path.read_text()), weights
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, tiny_checkpoint):
+    return _run(tmp_path_factory.mktemp("full"), "out", tiny_checkpoint)
+
+
+def test_nodes_holding_the_base_end_with_the_same_weights(tmp_path, tiny_checkpoint, full_run):
+    full, full_weights = full_run
+    delta, delta_weights = _run(
+        tmp_path, "delta", tiny_checkpoint, f"num-rounds=2 base-checkpoint='{tiny_checkpoint}'"
+    )
+    assert delta_weights.keys() == full_weights.keys()
+    assert all(torch.equal(delta_weights[k], full_weights[k]) for k in full_weights)
+    assert delta["merge"]["norm_final"] == full["merge"]["norm_final"]
+    for sent, got in zip(full["clients"], delta["clients"], strict=True):
+        assert sent["model_delivery"] == "full" and got["model_delivery"] == DELTA
+        assert "excluded" not in got
+        first_full, second_full = sent["bytes_received_model_by_round"]
+        first, second = got["bytes_received_model_by_round"]
+        assert first == 0 and first_full > 0  # round 1: nothing but the hashes
+        hashes = got["bytes_received_config"] - sent["bytes_received_config"]
+        assert first_full >= 100 * (first + hashes)
+        assert 0 < second < first_full / 2  # round 2: the merged weights only
+
+
+def test_nodes_with_another_base_get_the_full_model(tmp_path, tiny_checkpoint, capfd):
+    other = tmp_path / "other"  # another random model of the same shapes
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    new_tiny_llama(model.config, seed=1).save_pretrained(other)
+    results, _ = _run(tmp_path, "other", tiny_checkpoint, f"num-rounds=1 base-checkpoint='{other}'")
+    clients = results["clients"]
+    assert all(c["model_delivery"] == "full" and "excluded" not in c for c in clients)
+    log = capfd.readouterr().out
+    for client in clients:  # the run log says why, once per node
+        reason = f"node {client['node_id']} gets the full model: its base-checkpoint has sha256"
+        assert log.count(reason) == 1
