@@ -184,6 +184,10 @@ class MergeStrategy(Strategy):
         self.last_updates: list[ClientUpdate] = []
         self.merge_seconds: float = 0.0
         self.spool = spool
+        self._round = round_offset + 1  # the run's round being trained (configure_train)
+        # replies read as they arrived (StreamingGrid): (node, message id) → (update, fields)
+        # or the error that excludes it
+        self._received: dict[tuple[int, str], Any] = {}
         self.round_peak_rss_bytes = 0  # the last round's peak resident memory (VmHWM)
         self.checkpoint = checkpoint
         self.round_offset = int(round_offset)
@@ -203,6 +207,8 @@ class MergeStrategy(Strategy):
         self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
     ) -> Iterable[Message]:
         server_round += self.round_offset  # the run's round number (resumed runs continue it)
+        self._round, self._received = server_round, {}
+        reset_phase_peak()  # the round's peak memory (round_peak_rss_bytes) counts from here
         node_ids = wait_for_nodes(grid, len(self.assignments), self.node_wait_timeout)
         self.global_arrays = arrays
 
@@ -293,7 +299,6 @@ class MergeStrategy(Strategy):
         if self.global_arrays is None:
             raise RuntimeError("aggregate_train called before configure_train")
         self.client_reports, self._reports = [], {}
-        reset_phase_peak()
         if self.spool is not None:
             self.spool.begin_round(server_round)
         updates = self._collect_updates(server_round, replies)
@@ -353,10 +358,7 @@ class MergeStrategy(Strategy):
                 if node_id in self._reports:
                     raise ReplyRejected(node_id, "replied twice; only the first reply counts")
                 self._reports[node_id] = report
-                update, fields = self._read_reply(server_round, node_id, reply, limit)
-                if self.spool is not None:
-                    update = self.spool.store(update, self.reply_spec(node_id).shapes)
-                    drop_arrays(reply)
+                update, fields = self._take_reply(server_round, node_id, reply, limit)
             except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
                 self._exclude(report, exclusion_reason(node_id, err))
                 continue
@@ -372,6 +374,45 @@ class MergeStrategy(Strategy):
             report.update(self.delivery.report(int(report["node_id"])))
         order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
         return sorted(updates, key=lambda u: order.get(int(u.node_id), len(order)))
+
+    def receive_reply(self, reply: Message) -> None:
+        """Read a TRAIN reply the moment it arrives (``strategies.streaming_grid``): with a
+        spool, it is validated, written to disk and its arrays are dropped now; the outcome
+        waits for ``aggregate_train``, which reports and orders it like any other reply."""
+        meta = reply.metadata
+        node_id = meta.src_node_id
+        if (
+            self.spool is None
+            or meta.message_type != MessageType.TRAIN
+            or node_id not in self.node_assignment
+            or any(key[0] == node_id for key in self._received)
+        ):
+            return  # aggregate_train reads (or refuses) it as usual
+        try:
+            update, fields = self._take_reply(
+                self._round, node_id, reply, self.upload_limit_bytes()
+            )
+            outcome: Any = (update, {**fields, "read_on_arrival": True})
+        except Exception as err:  # noqa: BLE001 — reported when aggregate_train gets to it
+            outcome = err
+        self._received[(node_id, meta.message_id)] = outcome
+
+    def _take_reply(
+        self, server_round: int, node_id: int, reply: Message, limit: int
+    ) -> tuple[ClientUpdate, dict[str, Any]]:
+        """The reply's validated update (stored in the spool, if any) and report fields, read
+        now or taken from what :meth:`receive_reply` read on arrival."""
+        received = self._received.pop((node_id, reply.metadata.message_id), None)
+        if isinstance(received, Exception):
+            raise received
+        if received is not None:
+            return received
+        update, fields = self._read_reply(server_round, node_id, reply, limit)
+        if self.spool is not None:
+            self.spool.begin_round(server_round)
+            update = self.spool.store(update, self.reply_spec(node_id).shapes)
+            drop_arrays(reply)
+        return update, fields
 
     def _read_reply(
         self, server_round: int, node_id: int, reply: Message, limit: int

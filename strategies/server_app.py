@@ -44,6 +44,7 @@ from strategies.run_setup import (
 )
 from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
+from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
 
 app = ServerApp()
@@ -161,7 +162,7 @@ def main(grid: Grid, context: Context) -> None:
     t0 = time.perf_counter()
     if done < settings.num_rounds:
         result = strategy.start(
-            grid=grid,
+            grid=StreamingGrid(grid, strategy.receive_reply) if settings.stream_uploads else grid,
             initial_arrays=(
                 ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
             ),

@@ -46,9 +46,13 @@ class UploadSpool:
         self._handles: list = []
 
     def begin_round(self, server_round: int) -> None:
-        """Forget the previous round's files and start ``round-<server_round>``."""
+        """Forget the previous round's files and start ``round-<server_round>`` (nothing to do
+        when that round has begun already)."""
+        round_dir = self.folder / f"round-{server_round}"
+        if self._round_dir == round_dir:
+            return
         self.clear()
-        self._round_dir = self.folder / f"round-{server_round}"
+        self._round_dir = round_dir
         self._round_dir.mkdir(parents=True, exist_ok=True)
 
     def store(

@@ -203,4 +203,5 @@ def test_compact_streamed_uploads_give_the_dense_runs_merge_at_a_fraction_of_the
         # what the server received: the payload plus NumPy's per-array header
         assert small["bytes_sent"] < small["bytes_arrays"] < 1.2 * small["bytes_sent"]
         assert small["bytes_metadata"] > 0
+        assert small["read_on_arrival"] and "read_on_arrival" not in full  # StreamingGrid
     assert compact["seconds"]["server_peak_rss_bytes"] > 0
