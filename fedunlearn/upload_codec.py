@@ -255,7 +255,8 @@ def _decode_topk(
     if packed.dtype != torch.uint8 or packed.numel() != (numel + 7) // 8:
         raise UploadFormatError(
             key,
-            f"top-k mask has {packed.numel()} {packed.dtype} entries, expected "
+            f"top-k mask has {packed.numel()} {str(packed.dtype).removeprefix('torch.')} "
+            "entries, expected "
             f"{(numel + 7) // 8} uint8 for {numel} weights",
         )
     mask = unpack_mask(packed, numel)
@@ -299,6 +300,15 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
     def form(self, key: str) -> str:
         """How weight ``key`` was uploaded (``dense``, ``factors``, ``bf16`` or ``topk``)."""
         return self._groups[key][0]
+
+    def factor_rank(self, key: str) -> int | None:
+        """The rank r of weight ``key``'s LoRA factors (its ``lora_A`` rows), without decoding
+        it; None when it was not uploaded as factors."""
+        form, names = self._groups[key]
+        if form != "factors":
+            return None
+        lora_a = self._get_part(names["lora_A"])
+        return int(lora_a.shape[0]) if lora_a.dim() == 2 else None
 
     def parts(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every flat part as uploaded (to store it without decoding)."""

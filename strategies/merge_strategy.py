@@ -266,6 +266,9 @@ class MergeStrategy(Strategy):
             shapes=expected_shapes(self.global_arrays) if self.global_arrays is not None else None,
             needs_fisher=self.needs_fisher,
             merge=self.merge,
+            max_rank=int(self.client_config["lora-rank"])
+            if "lora-rank" in self.client_config
+            else None,
         )
 
     def upload_limit_bytes(self) -> int:

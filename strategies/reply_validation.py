@@ -81,6 +81,8 @@ class ReplySpec:
         shapes: ``{weight name: shape}`` of the global model (None: not checked).
         needs_fisher: the merge needs a Fisher diagonal from this client.
         merge: the merge's name, for the message.
+        max_rank: the run's LoRA rank: a task vector uploaded as factors of a higher rank is
+            refused before its product is computed (None: not checked).
     """
 
     role: str | None
@@ -88,6 +90,7 @@ class ReplySpec:
     shapes: Mapping[str, tuple[int, ...]] | None
     needs_fisher: bool
     merge: str = ""
+    max_rank: int | None = None
 
 
 # ---- facts about the server side ---------------------------------------------------------
@@ -341,6 +344,7 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> d
     check_fisher_present(node, has_fisher, spec)
     task_vector = decoded_record(node, "task-vector", content["task_vector"], spec.shapes)
     check_task_vector_keys(node, list(task_vector), spec.shapes)
+    check_factor_ranks(node, task_vector, spec.max_rank)
     records = [("task-vector", task_vector)]
     if has_fisher:
         fisher = decoded_record(node, "Fisher", content["fisher"], spec.shapes)
@@ -360,6 +364,22 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> d
                 tv_shapes[name] = tuple(values.shape)
             del values
     return fields
+
+
+def check_factor_ranks(node: Any, task_vector: DecodedTensors, max_rank: int | None) -> None:
+    """LoRA factors of at most the run's rank (a higher rank would make the server spend
+    up to a dense matrix product per tensor on one client's say-so)."""
+    if max_rank is None:
+        return
+    for name in task_vector:
+        rank = task_vector.factor_rank(name)
+        if rank is not None and rank > max_rank:
+            raise ReplyRejected(
+                node,
+                f"is uploaded as LoRA factors of rank {rank}, above the run's lora-rank {max_rank}",
+                kind="task-vector",
+                tensor=name,
+            )
 
 
 def decoded_record(

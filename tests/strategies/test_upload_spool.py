@@ -112,3 +112,26 @@ def test_spool_removes_only_its_own_files(tmp_path):
     spool.clear()
     assert not (tmp_path / "spool" / "round-2").exists()
     assert foreign.read_text() == "not the spool's"
+
+
+def _excluded(strategy: MergeStrategy) -> dict[int, str]:
+    return {r["node_id"]: r["excluded"] for r in strategy.client_reports if "excluded" in r}
+
+
+def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp_path):
+    replies = _replies("factors", "topk")
+    # node 13 (retain): a top-k mask one byte short; node 14 (retain): factors of rank 64
+    fisher = replies[2].content["fisher"]
+    mask = fisher[f"{DOWN}::topk_mask"].numpy()
+    fisher[f"{DOWN}::topk_mask"] = ArrayRecord({"m": torch.from_numpy(mask[:-1].copy())})["m"]
+    tv, _ = _upload(14)
+    tv[Q] = LowRankDelta(torch.zeros(64, 64), torch.zeros(64, 64), 1.0)
+    replies[3].content["task_vector"] = ArrayRecord(encode_task_vector(tv, "factors"))
+    strategy = _strategy(spool=UploadSpool(tmp_path / "spool"), client_config={"lora-rank": 16})
+    arrays, metrics = strategy.aggregate_train(1, replies)
+    assert arrays is not None and metrics["num-updates"] == 2
+    excluded = _excluded(strategy)
+    assert set(excluded) == {13, 14}
+    assert f"Fisher tensor {DOWN!r} top-k mask has 767 uint8 entries, expected 768" in excluded[13]
+    assert f"task-vector tensor {Q!r} is uploaded as LoRA factors of rank 64" in excluded[14]
+    assert "above the run's lora-rank 16" in excluded[14]
