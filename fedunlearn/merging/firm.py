@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from ._chunks import below, keep_at_least, map_spans, nonzeros, sum_sq, weighted_sum_sq
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .projection import DEFAULT_SOLVER, _project_checked, check_solver
+from .selection import kth_largest
 
 # Solver summary and KKT certificate copied from project_retention's report, per tensor.
 _PROJECTION_KEYS: tuple[str, ...] = (
@@ -44,29 +47,59 @@ def support_size(numel: int, alpha: float) -> int:
     return min(numel, max(1, math.floor(alpha * numel * (1.0 + 1e-9))))
 
 
+@dataclass
+class _SparsifiedFisher:
+    """``F̃ = F / (max F + eps0)`` kept where ``F̃ >=`` its k-th largest value, slice by slice.
+
+    ``source`` is the flat raw (or pooled) Fisher, ``scale`` the 0-d float32 ``max F + eps0``
+    and ``lower`` the largest float32 below the threshold (``-inf`` keeps every entry).
+    """
+
+    source: torch.Tensor
+    scale: torch.Tensor
+    lower: float
+
+    def chunk(self, span: slice) -> torch.Tensor:
+        """``F̃`` on ``span`` (float32)."""
+        return keep_at_least(self.source[span].to(torch.float32) / self.scale, self.lower)
+
+
+def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFisher:
+    """Scale and threshold of ``F̃`` for the flat non-negative Fisher ``flat`` (any float dtype).
+
+    The threshold is found on the raw values: dividing by ``scale`` is monotone, so the k-th
+    largest normalised value is the k-th largest raw value divided by ``scale`` (the same
+    float32 division the whole tensor gets).
+    """
+    d = flat.numel()
+    if d == 0:
+        return _SparsifiedFisher(flat, torch.ones((), device=flat.device), -math.inf)
+    scale = flat.max().to(torch.float32) + eps0
+    k = support_size(d, alpha)
+    if k >= d:
+        return _SparsifiedFisher(flat, scale, -math.inf)
+    threshold = kth_largest(flat, k).to(torch.float32) / scale
+    return _SparsifiedFisher(flat, scale, below(threshold))
+
+
 def normalize_and_sparsify(fisher: torch.Tensor, alpha: float, eps0: float) -> torch.Tensor:
     """Return ``F̃``: ``fisher / (max(fisher) + eps0)`` keeping only its top-``alpha`` entries.
 
-    The threshold is the k-th largest normalised value (``k`` from :func:`support_size`); every
-    entry ``>=`` the threshold is kept, so ties at the threshold are all kept, and all other
-    entries are set to 0.  Computed in float32; the input must be a non-negative raw (or pooled)
-    Fisher diagonal.
+    The threshold is the k-th largest normalised value (``k`` from :func:`support_size`,
+    found by :func:`~fedunlearn.merging.selection.kth_largest`); every entry ``>=`` the
+    threshold is kept, so ties at the threshold are all kept, and all other entries are set
+    to 0.  Computed in float32; the input must be a non-negative raw (or pooled) Fisher
+    diagonal.
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
     if not eps0 > 0.0:
         raise ValueError(f"eps0 must be > 0, got {eps0}")
     f = fisher.to(torch.float32)
-    d = f.numel()
-    if d == 0:
+    if f.numel() == 0:
         return f.clone()
-    normed = f / (f.max() + eps0)
-    k = support_size(d, alpha)
-    if k >= d:
-        return normed
-    # k-th largest value == (d - k + 1)-th smallest value.
-    threshold = torch.kthvalue(normed.reshape(-1), d - k + 1).values
-    return torch.where(normed >= threshold, normed, torch.zeros_like(normed))
+    sp = _sparsifier(f.reshape(-1), alpha, eps0)
+    return keep_at_least(f / sp.scale, sp.lower)
 
 
 def _check_params(
@@ -114,27 +147,186 @@ def _group(
     return domains, retain
 
 
+def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``F̄_g``: the flat mean of a domain's raw Fishers in float32 (a lone Fisher as it is)."""
+    flats = [f.reshape(-1) for f in fishers]
+    if len(flats) == 1:
+        return flats[0].to(device)
+    out = torch.empty(flats[0].numel(), dtype=torch.float32, device=device)
+    map_spans(lambda span: _mean_into(out[span], [f[span] for f in flats]), out.numel(), device)
+    return out
+
+
+def _mean_into(acc: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``acc = mean(parts)`` in float32, summed in order as ``0 + p_1 + … + p_n`` then ``/ n``."""
+    acc.copy_(parts[0])
+    for p in parts[1:]:
+        acc.add_(p.to(device=acc.device, dtype=torch.float32))
+    if len(parts) > 1:
+        acc.div_(len(parts))
+    return acc
+
+
 def _weighted_average(
     pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], eps0: float
 ) -> torch.Tensor:
     """``Σ F̃ ⊙ Δ / (Σ F̃ + eps0)`` over the (non-empty) ``(F̃, Δ)`` pairs, in float32."""
-    num = torch.zeros_like(pairs[0][1], dtype=torch.float32)
-    den = torch.zeros_like(num)
-    for ft, delta in pairs:
+    num = pairs[0][0] * pairs[0][1]
+    den = pairs[0][0].clone()
+    for ft, delta in pairs[1:]:
         num.add_(ft * delta)
         den.add_(ft)
     return num.div_(den.add_(eps0))
 
 
-def _mean(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    acc = torch.zeros_like(tensors[0], dtype=torch.float32, device=device)
-    for t in tensors:
-        acc.add_(t.to(device=device, dtype=torch.float32))
-    return acc.div_(len(tensors))
-
-
 def _norm(t: torch.Tensor) -> float:
     return float(torch.linalg.vector_norm(t.to(torch.float64)))
+
+
+@dataclass
+class _Sums:
+    """Float64 sums behind one tensor's report, accumulated slice by slice."""
+
+    forget_sq: float = 0.0
+    retain_sq: float = 0.0
+    base_sq: float = 0.0
+    final_sq: float = 0.0
+    nonzero: int = 0
+    damage_before: list[float] = field(default_factory=list)
+    damage_after: list[float] = field(default_factory=list)
+
+    def add(self, other: _Sums) -> None:
+        """Add the sums of a later slice."""
+        self.forget_sq += other.forget_sq
+        self.retain_sq += other.retain_sq
+        self.base_sq += other.base_sq
+        self.final_sq += other.final_sq
+        self.nonzero += other.nonzero
+        for mine, theirs in (
+            (self.damage_before, other.damage_before),
+            (self.damage_after, other.damage_after),
+        ):
+            for k, value in enumerate(theirs):
+                mine[k] += value
+
+
+@dataclass
+class _TensorInputs:
+    """One weight's sparsified Fishers and flat task vectors, by side (SPEC §2.3 step 1–2)."""
+
+    forget: list[tuple[_SparsifiedFisher, list[torch.Tensor]]]
+    retain: list[tuple[_SparsifiedFisher, torch.Tensor]]
+    numel: int
+    device: torch.device
+
+
+def _tensor_inputs(
+    tvs: Sequence[torch.Tensor],
+    fishers: Sequence[torch.Tensor],
+    domains: Sequence[Sequence[int]],
+    retain: Sequence[int],
+    alpha: float,
+    eps0: float,
+) -> _TensorInputs:
+    """Pool every forget domain's Fisher and find every threshold (one pass per Fisher)."""
+    device = tvs[0].device
+    flat_tv = [t.reshape(-1) for t in tvs]
+    forget = []
+    for members in domains:
+        pooled = _pooled([fishers[i] for i in members], device)
+        forget.append((_sparsifier(pooled, alpha, eps0), [flat_tv[i] for i in members]))
+    kept = [
+        (_sparsifier(fishers[i].reshape(-1).to(device), alpha, eps0), flat_tv[i]) for i in retain
+    ]
+    return _TensorInputs(forget, kept, flat_tv[0].numel(), device)
+
+
+def _base_chunk(
+    inp: _TensorInputs, span: slice, gamma_f: float, gamma_r: float, eps0: float
+) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+    """``(gamma_F·Δ_F, gamma_R·Δ_R or None, [F̃_k])`` on ``span`` (SPEC §2.3 step 3)."""
+    n = span.stop - span.start
+    pairs = []
+    for sp, members in inp.forget:
+        d_bar = torch.empty(n, dtype=torch.float32, device=inp.device)
+        pairs.append((sp.chunk(span), _mean_into(d_bar, [t[span] for t in members])))
+    forget = _weighted_average(pairs, eps0)
+    if gamma_f != 1.0:
+        forget.mul_(gamma_f)
+    fts = [sp.chunk(span) for sp, _ in inp.retain]
+    if not fts:
+        return forget, None, fts
+    deltas = [t[span].to(device=inp.device, dtype=torch.float32) for _, t in inp.retain]
+    retain = _weighted_average(list(zip(fts, deltas, strict=True)), eps0)
+    if gamma_r != 1.0:
+        retain.mul_(gamma_r)
+    return forget, retain, fts
+
+
+def _merge_tensor(
+    inp: _TensorInputs,
+    params: tuple[float, float, float],
+    out_dtype: torch.dtype,
+    keep_dense: bool,
+) -> tuple[torch.Tensor, list[torch.Tensor], _Sums]:
+    """Fused FIRM base merge of one weight, slice by slice.
+
+    Returns ``(out, fts, sums)``: with ``keep_dense`` the float32 ``Δ_base`` and the dense
+    ``F̃_k`` (for the projection); otherwise ``Δ_base`` cast to ``out_dtype``, no ``F̃_k``, and
+    the damages, norm and support of the cast result in ``sums``.
+    """
+    gamma_f, gamma_r, eps0 = params
+    m = len(inp.retain)
+    narrowing = out_dtype not in (torch.float32, torch.float64)
+    dtype = torch.float32 if keep_dense else out_dtype
+    out = torch.empty(inp.numel, dtype=dtype, device=inp.device)
+    fts_dense = [torch.empty_like(out) for _ in range(m)] if keep_dense else []
+
+    def work(span: slice) -> _Sums:
+        forget, retain, fts = _base_chunk(inp, span, gamma_f, gamma_r, eps0)
+        base = forget if retain is None else forget + retain
+        part = _Sums(damage_before=[0.0] * m, damage_after=[0.0] * m)
+        part.forget_sq = sum_sq(forget)
+        part.retain_sq = 0.0 if retain is None else sum_sq(retain)
+        part.base_sq = sum_sq(base)
+        out[span] = base
+        if keep_dense:
+            for dense, ft in zip(fts_dense, fts, strict=True):
+                dense[span] = ft
+            return part
+        final = out[span]
+        part.nonzero = nonzeros(final)
+        part.final_sq = sum_sq(final) if narrowing else part.base_sq
+        for k, ft in enumerate(fts):
+            ft64 = ft.to(torch.float64)
+            part.damage_before[k] = weighted_sum_sq(ft64, base)
+            after = weighted_sum_sq(ft64, final) if narrowing else part.damage_before[k]
+            part.damage_after[k] = after
+        return part
+
+    sums = _Sums(damage_before=[0.0] * m, damage_after=[0.0] * m)
+    for part in map_spans(work, inp.numel, inp.device):
+        sums.add(part)
+    return out, fts_dense, sums
+
+
+def _unprojected_report(sums: _Sums) -> dict:
+    """The projection fields of a tensor left as it is (``epsilon = inf`` or no retain client)."""
+    m = len(sums.damage_before)
+    return {
+        "multipliers": [0.0] * m,
+        "damage_before": sums.damage_before,
+        "damage_after": sums.damage_after,
+        "iterations": 0,
+        "sweeps": 0,
+        "converged": True,
+        "feasibility_pass": False,
+        "max_violation": 0.0,
+        "active": False,
+        "max_primal_violation": 0.0,
+        "max_complementary_slackness": 0.0,
+        "duality_gap": 0.0,
+    }
 
 
 @register_merge("firm")
@@ -197,74 +389,56 @@ def firm_merge(
     tensors_report: dict[str, dict] = {}
     total_base_sq = 0.0
     total_final_sq = 0.0
+    position = {id(u): i for i, u in enumerate(updates)}
+    domain_idx = [[position[id(u)] for u in members] for members in domains.values()]
+    retain_idx = [position[id(u)] for u in retain]
     for key in keys:
-        ref = updates[0].task_vector[key]
-        device = ref.device
-        out_dtype = ref.dtype
-        for u in updates[1:]:
-            out_dtype = torch.promote_types(out_dtype, u.task_vector[key].dtype)
-
-        # Forget side: pool raw Fisher and task vectors per domain, then normalise/sparsify.
-        forget_pairs = []
-        for members in domains.values():
-            f_bar = _mean([u.fisher[key] for u in members], device)  # type: ignore[index]
-            d_bar = _mean([u.task_vector[key] for u in members], device)
-            forget_pairs.append((normalize_and_sparsify(f_bar, alpha, eps0), d_bar))
-            del f_bar
-        forget_term = _weighted_average(forget_pairs, eps0).mul_(gamma_f)
-        del forget_pairs
-
-        # Retain side: every client keeps its own (Δθ_k, F̃_k).
-        retain_ft = [
-            normalize_and_sparsify(u.fisher[key].to(device), alpha, eps0)  # type: ignore[index]
-            for u in retain
-        ]
-        if retain:
-            retain_pairs = [
-                (ft, u.task_vector[key].to(device=device, dtype=torch.float32))
-                for ft, u in zip(retain_ft, retain, strict=True)
-            ]
-            retain_term = _weighted_average(retain_pairs, eps0).mul_(gamma_r)
-            del retain_pairs
+        tvs = [u.task_vector[key] for u in updates]
+        fishers = [u.fisher[key] for u in updates]  # type: ignore[index]
+        inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, alpha, eps0)
+        out_dtype = tvs[0].dtype
+        for t in tvs[1:]:
+            out_dtype = torch.promote_types(out_dtype, t.dtype)
+        shape = tvs[0].shape
+        del tvs, fishers
+        out, fts, sums = _merge_tensor(inp, (gamma_f, gamma_r, eps0), out_dtype, project)
+        del inp
+        norm_base = math.sqrt(sums.base_sq)
+        if project:
+            # The F̃_k are finite and non-negative by construction (ClientUpdate validates the
+            # raw Fishers), so project_retention's argument checks are skipped.
+            base = out.view(shape)
+            final, proj = _project_checked(
+                base,
+                [f.view(shape) for f in fts],
+                epsilon,
+                solver=solver,
+                max_iter=max_iter,
+                tol=tol,
+                out_dtype=out_dtype,
+            )
+            norm_final = norm_base if final is base else _norm(final)
+            del fts, out, base
+            support = int(torch.count_nonzero(final))
         else:
-            retain_term = torch.zeros_like(forget_term)
-
-        base = forget_term + retain_term
-        norm_forget, norm_retain = _norm(forget_term), _norm(retain_term)
-        del forget_term, retain_term
-
-        # With an infinite budget (or no retain client) this only casts and reports damages.
-        # The F̃_k are finite and non-negative by construction (ClientUpdate validates the raw
-        # Fishers), so project_retention's argument checks are skipped.
-        final, proj = _project_checked(
-            base,
-            retain_ft,
-            epsilon if project else math.inf,
-            solver=solver,
-            max_iter=max_iter,
-            tol=tol,
-            out_dtype=out_dtype,
-        )
-        del retain_ft
-
-        norm_base = _norm(base)
-        norm_final = norm_base if final is base else _norm(final)
+            final, proj = out.view(shape), _unprojected_report(sums)
+            norm_final = math.sqrt(sums.final_sq)
+            support = sums.nonzero
         total_base_sq += norm_base**2
         total_final_sq += norm_final**2
         numel = final.numel()
         tensors_report[key] = {
             "norm_base": norm_base,
             "norm_final": norm_final,
-            "norm_forget_term": norm_forget,
-            "norm_retain_term": norm_retain,
-            "support_fraction": int(torch.count_nonzero(final)) / numel if numel else 0.0,
+            "norm_forget_term": math.sqrt(sums.forget_sq),
+            "norm_retain_term": math.sqrt(sums.retain_sq),
+            "support_fraction": support / numel if numel else 0.0,
             "damage_before": dict(zip(retain_ids, proj["damage_before"], strict=True)),
             "damage_after": dict(zip(retain_ids, proj["damage_after"], strict=True)),
             "multipliers": dict(zip(retain_ids, proj["multipliers"], strict=True)),
             "projection": {key_: proj[key_] for key_ in _PROJECTION_KEYS},
         }
         delta[key] = final
-        del base
 
     report = {
         "method": "firm",

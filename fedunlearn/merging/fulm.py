@@ -19,19 +19,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
-from ._common import as_real, check_gamma, check_k, compute_dtype, l2, node_ids, out_dtype
+from ._chunks import map_spans, sum_sq
+from ._common import as_real, check_gamma, check_k, compute_dtype, node_ids
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
-from .ties import ties_combine
+from .firm import support_size
+from .ties import combine_chunk, trim_lowers
 
 #: Default link threshold ``τ`` on the cosine similarity.
 DEFAULT_THRESHOLD = 0.6
 #: Default TIES support fraction inside a cluster.
 DEFAULT_K = 0.3
-#: Entries per chunk when accumulating the Gram matrix (bounds memory to n·chunk float64s).
-_SIM_CHUNK = 1 << 20
+#: Entries per block when accumulating the Gram matrix (n·block float64s, cache-sized).
+_SIM_CHUNK = 1 << 16
 #: Decimal places of the similarity matrix in the report.
 _REPORT_DIGITS = 6
 
@@ -43,6 +47,24 @@ def _check_threshold(threshold: float) -> float:
             f"threshold (cosine-similarity link threshold) must be in [-1, 1], got {t}"
         )
     return t
+
+
+def _gram_part(flats: Sequence[torch.Tensor], span: slice) -> torch.Tensor:
+    """``Σ_j x_a(j)·x_b(j)`` over ``span`` for every pair of clients (float64, CPU, ``n × n``).
+
+    The span is converted into one reused ``n × _SIM_CHUNK`` float64 block at a time.
+    """
+    n, device = len(flats), flats[0].device
+    width = min(_SIM_CHUNK, span.stop - span.start)
+    block = torch.empty((n, width), dtype=torch.float64, device=device)
+    gram = torch.zeros((n, n), dtype=torch.float64, device=device)
+    for start in range(span.start, span.stop, width):
+        stop = min(start + width, span.stop)
+        rows = block[:, : stop - start]
+        for row, f in zip(rows, flats, strict=True):
+            row.copy_(f[start:stop])
+        gram.add_(rows @ rows.T)
+    return gram.cpu()
 
 
 def client_similarity(
@@ -60,18 +82,11 @@ def client_similarity(
     n = len(updates)
     gram = torch.zeros((n, n), dtype=torch.float64)
     for key in keys:
-        device = updates[0].task_vector[key].device
         flats = [u.task_vector[key].reshape(-1) for u in updates]
-        d = flats[0].numel()
-        for start in range(0, d, _SIM_CHUNK):
-            block = torch.stack(
-                [
-                    f[start : start + _SIM_CHUNK].to(device=device, dtype=torch.float64)
-                    for f in flats
-                ]
-            )
-            gram.add_((block @ block.T).cpu())
-            del block
+        device = flats[0].device
+        for part in map_spans(partial(_gram_part, flats), flats[0].numel(), device):
+            gram.add_(part)
+        del flats
     sq = gram.diagonal().clone()
     norms = sq.sqrt()
     denom = norms[:, None] * norms[None, :]
@@ -120,6 +135,67 @@ def _distinct(values: Sequence[str | None]) -> list[str]:
     return out
 
 
+@dataclass
+class _SliceSums:
+    """Per-slice sums of a fused FULM merge: squared norms and TIES counts per cluster."""
+
+    final_sq: float
+    centroid_sq: list[float]
+    present: list[float]
+    agreeing: list[float]
+
+
+def _agreement(parts: Sequence[_SliceSums], c: int) -> float:
+    present = sum(p.present[c] for p in parts)
+    return sum(p.agreeing[c] for p in parts) / present if present else 1.0
+
+
+def _fulm_tensor(
+    tensors: Sequence[torch.Tensor], clusters: Sequence[Sequence[int]], k: float, scale: float
+) -> tuple[torch.Tensor, list[_SliceSums]]:
+    """``scale · Σ_c`` TIES centroid of cluster ``c`` for one weight, fused slice by slice."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    acc_dtype = compute_dtype(dtype)
+    ref = tensors[0]
+    device, d = ref.device, ref.numel()
+    kept = support_size(d, k) if d else 0
+    flats = [t.reshape(-1) for t in tensors]
+    plans = []
+    for members in clusters:
+        member_dtype = compute_dtype(_promoted([tensors[i] for i in members]))
+        lowers = trim_lowers([tensors[i] for i in members], kept, member_dtype)
+        plans.append((members, member_dtype, lowers))
+    out = torch.empty(d, dtype=dtype, device=device)
+
+    def work(span: slice) -> _SliceSums:
+        sums = _SliceSums(0.0, [], [], [])
+        acc = None
+        for members, member_dtype, lowers in plans:
+            parts = [flats[i][span].to(device=device, dtype=member_dtype) for i in members]
+            centroid, present, agreeing = combine_chunk(parts, lowers)
+            sums.centroid_sq.append(sum_sq(centroid))
+            sums.present.append(present)
+            sums.agreeing.append(agreeing)
+            centroid = centroid.to(acc_dtype)
+            acc = centroid if acc is None else acc.add_(centroid)
+        if scale != 1.0:
+            acc.mul_(scale)  # type: ignore[union-attr]
+        out[span] = acc
+        sums.final_sq = sum_sq(out[span])
+        return sums
+
+    return out.view(ref.shape), map_spans(work, d, device)
+
+
+def _promoted(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
 def _fulm(
     updates: Sequence[ClientUpdate],
     *,
@@ -141,25 +217,17 @@ def _fulm(
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
     for key in keys:
-        dtype = out_dtype(updates, key)
-        ref = updates[0].task_vector[key]
-        acc = torch.zeros_like(ref, dtype=compute_dtype(dtype))
-        centroid_norms: list[float] = []
-        agreement: list[float] = []
-        for members in clusters:
-            centroid, stats = ties_combine([updates[i].task_vector[key] for i in members], kf)
-            centroid_norms.append(l2(centroid))
-            agreement.append(stats["sign_agreement"])
-            acc.add_(centroid.to(device=acc.device, dtype=acc.dtype))
-            del centroid
-        final = acc.mul_(scale).to(dtype)
-        del acc
-        norm = l2(final)
-        total_sq += norm**2
+        tensors = [u.task_vector[key] for u in updates]
+        final, parts = _fulm_tensor(tensors, clusters, kf, scale)
+        del tensors
+        sq = sum(p.final_sq for p in parts)
+        total_sq += sq
         tensors_report[key] = {
-            "norm": norm,
-            "centroid_norms": centroid_norms,
-            "sign_agreement": agreement,
+            "norm": math.sqrt(sq),
+            "centroid_norms": [
+                math.sqrt(sum(p.centroid_sq[c] for p in parts)) for c in range(len(clusters))
+            ],
+            "sign_agreement": [_agreement(parts, c) for c in range(len(clusters))],
         }
         delta[key] = final
 

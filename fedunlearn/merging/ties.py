@@ -14,30 +14,142 @@ Per weight tensor, for the task vectors ``τ_1..τ_n`` (each with ``d`` entries)
 The default ``k = 0.2`` keeps the top 20 % of every task vector, the value the TIES paper uses
 and the one used for the TIES baseline of the FIRM study.  (Unlike the reference TIES code,
 an exact tie ``s(j) = 0`` is not broken by a global majority sign; the entry gets 0.)
+
+Computation: the trim thresholds come from :func:`~fedunlearn.merging.selection.kth_largest`
+(one counting pass per task vector); steps 1–4 then run fused, slice by slice
+(:func:`combine_chunk`), with the same element-wise arithmetic as the whole-tensor formulation.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ._common import check_gamma, check_k, compute_dtype, forget_clients, l2, node_ids, out_dtype
+from ._chunks import below, map_spans, nonzeros, sum_sq, trim_magnitude
+from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
+from .selection import kth_largest
 
 #: Default TIES support fraction (top 20 % of every task vector).
 DEFAULT_K = 0.2
 
 
-def _trim_threshold(flat: torch.Tensor, kept: int) -> torch.Tensor:
-    """The ``kept``-th largest ``|flat|`` (entries ``>=`` it are kept); 0 keeps everything."""
-    d = flat.numel()
-    if kept >= d:
-        return torch.zeros((), dtype=flat.dtype, device=flat.device)
-    # kept-th largest == (d - kept + 1)-th smallest.
-    return torch.kthvalue(flat.abs(), d - kept + 1).values
+def trim_lowers(tensors: Sequence[torch.Tensor], kept: int, dtype: torch.dtype) -> list[float]:
+    """Per tensor, the largest ``dtype`` value below its ``kept``-th largest magnitude.
+
+    ``|x| > lower`` is then ``|x| >=`` that threshold; ``-inf`` (``kept >= d``) keeps every
+    entry.  The threshold is selected on the tensor as it is (widening it to ``dtype`` is exact).
+    """
+    lowers = []
+    for t in tensors:
+        if kept >= t.numel():
+            lowers.append(-math.inf)
+        else:
+            lowers.append(below(kth_largest(t, kept, magnitude=True).to(dtype)))
+    return lowers
+
+
+def combine_chunk(
+    parts: Sequence[torch.Tensor], lowers: Sequence[float]
+) -> tuple[torch.Tensor, float, float]:
+    """TIES steps 1–3 on one slice of every task vector (already in the compute dtype).
+
+    Returns ``(τ_m, present, agreeing)``: the disjoint mean, the number of entries with some
+    non-zero trimmed value, and the number of those whose non-zero trimmed values all have the
+    elected sign.  Masks are exact 0/1 floats: ``a_i = relu(sign(τ̂_i)·s)`` marks the trimmed
+    values that agree with the elected sign ``s``.  The inputs are not modified.
+    """
+    trimmed = [trim_magnitude(x, lo) for x, lo in zip(parts, lowers, strict=True)]
+    total = trimmed[0]
+    for x in trimmed[1:]:
+        total = total + x
+    sign = torch.sign(total)
+    del total
+    num = count = present = torch.empty(0)
+    for i, x in enumerate(trimmed):
+        s = torch.sign(x)
+        agree = torch.relu_(s * sign)
+        term = x * agree
+        s.abs_()
+        if i == 0:
+            num, count, present = term, agree, s
+        else:
+            num.add_(term)
+            count.add_(agree)
+            present.add_(s)
+    conflicting = (present - count).clamp_(max=1.0)  # ≥ 1 non-zero value against the sign
+    n_present = float(present.clamp_(max=1.0).sum(dtype=torch.float64))
+    n_agree = n_present - float(conflicting.sum(dtype=torch.float64))
+    return num.div_(count.clamp(min=1.0)), n_present, n_agree
+
+
+@dataclass
+class _Counts:
+    """Per-slice counts and sums of a fused TIES merge."""
+
+    present: float
+    agreeing: float
+    nonzero: int
+    sq: float
+
+
+def _check_inputs(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """Validate same-shape floating inputs; return the compute dtype."""
+    if len(tensors) == 0:
+        raise ValueError("ties_combine needs at least one tensor")
+    ref = tensors[0]
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"ties_combine: input {i} is not a floating-point tensor")
+        if tuple(t.shape) != tuple(ref.shape):
+            raise ValueError(
+                f"ties_combine: input {i} has shape {tuple(t.shape)} but input 0 has "
+                f"shape {tuple(ref.shape)}"
+            )
+    dtype = ref.dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return compute_dtype(dtype)
+
+
+def _ties_tensor(
+    tensors: Sequence[torch.Tensor], k: float, gamma: float, dtype: torch.dtype | None
+) -> tuple[torch.Tensor, dict, float]:
+    """``(gamma·τ_m cast to dtype, stats, ‖result‖²)``; ``dtype=None`` keeps the compute dtype.
+
+    ``stats`` are those of :func:`ties_combine`, with ``support_fraction`` of the result.
+    """
+    kf = check_k(k)
+    work_dtype = _check_inputs(tensors)
+    ref = tensors[0]
+    device, d = ref.device, ref.numel()
+    out = torch.empty(d, dtype=work_dtype if dtype is None else dtype, device=device)
+    kept = support_size(d, kf) if d else 0
+    lowers = trim_lowers(tensors, kept, work_dtype)
+    flats = [t.reshape(-1) for t in tensors]
+
+    def work(span: slice) -> _Counts:
+        parts = [f[span].to(device=device, dtype=work_dtype) for f in flats]
+        merged, present, agreeing = combine_chunk(parts, lowers)
+        if gamma != 1.0:
+            merged.mul_(gamma)
+        out[span] = merged
+        final = out[span]
+        return _Counts(present, agreeing, nonzeros(final), sum_sq(final))
+
+    counts = map_spans(work, d, device)
+    present = sum(c.present for c in counts)
+    stats = {
+        "kept_per_vector": int(kept),
+        "support_fraction": sum(c.nonzero for c in counts) / d if d else 0.0,
+        "sign_agreement": sum(c.agreeing for c in counts) / present if present else 1.0,
+        "num_vectors": len(tensors),
+    }
+    return out.view(ref.shape), stats, sum(c.sq for c in counts)
 
 
 def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tensor, dict]:
@@ -58,78 +170,10 @@ def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tenso
           no such entry);
         * ``num_vectors``.
 
-    Memory: only the running sums and one converted input are held at a time (the trim
-    thresholds are kept as scalars and the trimmed vectors are recomputed in the second pass).
+    Memory: the output, and one slice of every input with its temporaries, at a time.
     """
-    kf = check_k(k)
-    if len(tensors) == 0:
-        raise ValueError("ties_combine needs at least one tensor")
-    ref = tensors[0]
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"ties_combine: input {i} is not a floating-point tensor")
-        if tuple(t.shape) != tuple(ref.shape):
-            raise ValueError(
-                f"ties_combine: input {i} has shape {tuple(t.shape)} but input 0 has "
-                f"shape {tuple(ref.shape)}"
-            )
-    dtype = ref.dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    dtype = compute_dtype(dtype)
-    device = ref.device
-    d = ref.numel()
-    kept = support_size(d, kf)
-    if d == 0:
-        stats = {
-            "kept_per_vector": 0,
-            "support_fraction": 0.0,
-            "sign_agreement": 1.0,
-            "num_vectors": len(tensors),
-        }
-        return torch.zeros(ref.shape, dtype=dtype, device=device), stats
-
-    def flat(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device=device, dtype=dtype).reshape(-1)
-
-    def trimmed(x: torch.Tensor, thr: torch.Tensor) -> torch.Tensor:
-        return torch.where(x.abs() >= thr, x, torch.zeros_like(x))
-
-    # Pass 1: trim thresholds and the elected sign.
-    thresholds = []
-    total = torch.zeros(d, dtype=dtype, device=device)
-    for t in tensors:
-        x = flat(t)
-        thr = _trim_threshold(x, kept)
-        thresholds.append(thr)
-        total.add_(trimmed(x, thr))
-    sign = torch.sign(total)
-    del total
-
-    # Pass 2: disjoint mean over the trimmed values that agree with the elected sign.
-    num = torch.zeros(d, dtype=dtype, device=device)
-    count = torch.zeros(d, dtype=dtype, device=device)
-    nonzero = torch.zeros(d, dtype=torch.bool, device=device)
-    conflict = torch.zeros(d, dtype=torch.bool, device=device)
-    for t, thr in zip(tensors, thresholds, strict=True):
-        x = trimmed(flat(t), thr)
-        s = torch.sign(x)
-        present = s != 0
-        agree = present & (s == sign)
-        num.add_(torch.where(agree, x, torch.zeros_like(x)))
-        count.add_(agree.to(dtype))
-        nonzero |= present
-        conflict |= present & ~agree
-    merged = torch.where(count > 0, num / count.clamp_min(1.0), torch.zeros_like(num))
-    n_present = int(nonzero.sum())
-    n_agree = int((nonzero & ~conflict).sum())
-    stats = {
-        "kept_per_vector": int(kept),
-        "support_fraction": float((merged != 0).sum()) / d,
-        "sign_agreement": n_agree / n_present if n_present else 1.0,
-        "num_vectors": len(tensors),
-    }
-    return merged.reshape(ref.shape), stats
+    merged, stats, _ = _ties_tensor(tensors, k, 1.0, None)
+    return merged, stats
 
 
 @register_merge("ties")
@@ -159,15 +203,14 @@ def ties_merge(
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
     for key in keys:
-        merged, stats = ties_combine([u.task_vector[key] for u in forget], kf)
-        final = merged.mul_(g).to(out_dtype(updates, key))
-        del merged
-        norm = l2(final)
-        total_sq += norm**2
+        tensors = [u.task_vector[key] for u in forget]
+        final, stats, sq = _ties_tensor(tensors, kf, g, out_dtype(updates, key))
+        del tensors
+        total_sq += sq
         tensors_report[key] = {
-            "norm": norm,
+            "norm": math.sqrt(sq),
             "sign_agreement": stats["sign_agreement"],
-            "support_fraction": float((final != 0).sum()) / final.numel() if final.numel() else 0.0,
+            "support_fraction": stats["support_fraction"],
             "kept_per_vector": stats["kept_per_vector"],
         }
         delta[key] = final

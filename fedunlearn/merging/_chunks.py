@@ -1,0 +1,101 @@
+"""Chunked element-wise helpers shared by the fused merges (FIRM base, TIES, FULM).
+
+The merges walk every weight tensor in slices of :data:`CHUNK` entries, so that all the
+temporaries of one slice stay in the cache and no temporary of the size of the whole tensor is
+allocated.  Every element-wise operation is the one the whole-tensor formulation performs, in
+the same order, so the merged values are unchanged; only the float64 sums behind reported norms
+and damages are accumulated slice by slice (a different summation order, equal to rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import TypeVar
+
+import torch
+import torch.nn.functional as F
+
+T = TypeVar("T")
+
+#: Entries per slice (1 MiB of float32).
+CHUNK = 1 << 18
+
+
+def spans(numel: int) -> Iterator[slice]:
+    """Consecutive slices of at most :data:`CHUNK` entries covering ``range(numel)``."""
+    for start in range(0, numel, CHUNK):
+        yield slice(start, min(start + CHUNK, numel))
+
+
+@contextmanager
+def _single_threaded_ops() -> Iterator[None]:
+    """Run torch operators with one intra-op thread inside the block (restored afterwards)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def map_spans(fn: Callable[[slice], T], numel: int, device: torch.device) -> list[T]:
+    """``[fn(span) for span in spans(numel)]``, the spans spread over the intra-op threads.
+
+    On the CPU with several torch threads, every span runs single-threaded in one of that
+    many worker threads (the operators release the GIL), instead of every small operator
+    splitting its span over all threads: no per-operator barrier, so a busy machine that
+    pre-empts one thread does not stall the others.  ``fn`` must only write to its own span.
+    The results come back in span order, so reductions over them are deterministic.
+    """
+    threads = torch.get_num_threads()
+    if threads <= 1 or numel <= CHUNK or device.type != "cpu":
+        return [fn(span) for span in spans(numel)]
+    with _single_threaded_ops(), ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(fn, spans(numel)))
+
+
+def below(threshold: torch.Tensor | float) -> float:
+    """The largest float of the threshold's dtype below ``threshold`` (``-inf`` stays ``-inf``).
+
+    ``x > below(t)`` is ``x >= t`` for every ``x`` of that dtype, which lets
+    :func:`keep_at_least` and :func:`trim_magnitude` use the fast threshold kernels.
+    """
+    t = torch.as_tensor(threshold)
+    if math.isinf(float(t)) and float(t) < 0:
+        return -math.inf
+    return float(torch.nextafter(t, t.new_full((), -math.inf)))
+
+
+def keep_at_least(x: torch.Tensor, lower: float) -> torch.Tensor:
+    """``where(x > lower, x, 0)``, i.e. ``where(x >= t, x, 0)`` for ``lower = below(t)``."""
+    return F.threshold(x, lower, 0.0)
+
+
+def trim_magnitude(x: torch.Tensor, lower: float) -> torch.Tensor:
+    """``where(|x| > lower, x, 0)``, i.e. ``where(|x| >= t, x, 0)`` for ``lower = below(t)``.
+
+    ``lower < 0`` keeps every entry (and returns ``x`` itself).
+    """
+    if lower < 0.0:
+        return x
+    return F.hardshrink(x, lower)
+
+
+def sum_sq(x: torch.Tensor) -> float:
+    """``Σ x²`` accumulated in float64."""
+    x64 = x.to(torch.float64)
+    return float(torch.dot(x64, x64))
+
+
+def weighted_sum_sq(weights64: torch.Tensor, x: torch.Tensor) -> float:
+    """``Σ w·x²`` in float64 (``weights64`` already float64)."""
+    x64 = x.to(torch.float64)
+    return float(torch.dot(weights64, x64 * x64))
+
+
+def nonzeros(x: torch.Tensor) -> int:
+    """Number of non-zero entries (``|sign(x)|`` summed: exact, and faster than a mask)."""
+    return int(torch.sign(x).abs_().sum(dtype=torch.float64))

@@ -1,0 +1,121 @@
+"""Top-α thresholds in about one read pass: the k-th largest entry of a tensor (SPEC §2.1, §2.3).
+
+FIRM keeps the entries of ``F̃`` that are ``>=`` the k-th largest normalised Fisher value, TIES
+(and FULM inside each cluster) the entries of ``τ_i`` whose magnitude is ``>=`` the k-th largest
+``|τ_i|``.  ``torch.kthvalue`` finds that value exactly but costs many passes over the tensor.
+:func:`kth_largest` returns exactly the same value after one counting pass.  It works on integer
+keys that order like the floats: the bit pattern of ``|x|`` (magnitudes), or the bit pattern
+with the magnitude bits flipped for negative values (signed values):
+
+1. the keys of a strided sample of ``_SAMPLE`` entries place a bracket ``[lo, hi]`` around the
+   sample's k-th largest, ``_MARGIN_SIGMAS`` binomial standard deviations of the sample rank wide;
+2. one pass over the tensor, in chunks that stay in the cache, counts the keys ``> hi`` and
+   collects the keys in ``[lo, hi]`` (the candidates, a few per cent of the entries);
+3. if the k-th largest lies in the bracket it is the ``(k − #{> hi})``-th largest candidate
+   (``numpy.partition``, an introselect, on the candidates); otherwise (a sample that
+   misrepresents the tensor) the k-th largest of all keys, still in linear time.  (Unlike
+   ``torch.kthvalue``, whose quickselect is quadratic on reverse-sorted input.)
+
+The key of the k-th largest entry is exact, so ties are resolved as ``torch.kthvalue`` resolves
+them: the value is the same whatever the multiplicities (``-0.0`` and ``0.0`` are equal values
+with different keys; either may come back).  The input must be finite (the merges validate their
+inputs).  Tensors off the CPU, and small ones, go straight to ``torch.kthvalue``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+#: Entries sampled to place the bracket.
+_SAMPLE = 1 << 16
+#: Tensors with at most this many entries go straight to ``torch.kthvalue``.
+_SMALL = 1 << 17
+#: Half-width of the bracket in binomial standard deviations of the sample rank (plus a floor).
+_MARGIN_SIGMAS = 5.0
+_MARGIN_FLOOR = 8
+#: Entries per chunk of the counting pass.
+CHUNK = 1 << 18
+#: Integer type with the width of each floating dtype (the keys are its bit patterns).
+_INT_OF = {
+    torch.float16: torch.int16,
+    torch.bfloat16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
+_NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
+
+
+def _keys(bits: np.ndarray, magnitude: bool) -> np.ndarray:
+    """Integer keys in the order of the floats whose bit patterns are ``bits`` (or of ``|x|``)."""
+    top = np.iinfo(bits.dtype).max  # every bit but the sign bit
+    if magnitude:
+        return bits & top
+    return bits ^ ((bits >> (bits.dtype.itemsize * 8 - 1)) & top)
+
+
+def _from_key(key: int, magnitude: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The 0-d tensor of ``dtype`` whose key is ``key`` (inverse of :func:`_keys`)."""
+    bits = np.array([key], dtype=_NUMPY_INT[_INT_OF[dtype]])
+    if not magnitude:
+        bits = _keys(bits, False)  # flipping the magnitude bits of a negative is an involution
+    return torch.from_numpy(bits).view(dtype)[0].clone()
+
+
+def _bracket(keys_of: np.ndarray, k: int, d: int, magnitude: bool) -> tuple[int, int]:
+    """``(lo, hi)``: sample key order statistics that bracket the k-th largest key."""
+    step = max(1, d // _SAMPLE) | 1  # odd: a power-of-two row length cannot alias with it
+    sample = _keys(keys_of[step // 2 :: step], magnitude)
+    n = sample.size
+    centre = k * n / d
+    margin = _MARGIN_SIGMAS * math.sqrt(n * (k / d) * (1.0 - k / d)) + _MARGIN_FLOOR
+    top = math.floor(centre - margin)  # 0-based rank from the top
+    bottom = math.ceil(centre + margin)
+    info = np.iinfo(sample.dtype)
+    wanted = [n - 1 - r for r in (top, bottom) if 0 <= r < n]
+    part = np.partition(sample, wanted) if wanted else sample
+    hi = int(part[n - 1 - top]) if 0 <= top < n else int(info.max)
+    lo = int(part[n - 1 - bottom]) if 0 <= bottom < n else int(info.min)
+    return lo, hi
+
+
+def _count_and_collect(
+    bits: np.ndarray, lo: int, hi: int, magnitude: bool
+) -> tuple[int, np.ndarray]:
+    """``(#{key > hi}, keys in [lo, hi])`` in one chunked pass over ``bits``."""
+    above = 0
+    parts = []
+    for start in range(0, bits.size, CHUNK):
+        keys = _keys(bits[start : start + CHUNK], magnitude)
+        above += int(np.count_nonzero(keys > hi))
+        inside = keys >= lo
+        inside &= keys <= hi
+        parts.append(keys[inside])
+    return above, np.concatenate(parts)
+
+
+def kth_largest(x: torch.Tensor, k: int, *, magnitude: bool = False) -> torch.Tensor:
+    """The k-th largest entry of ``x`` (of ``|x|`` with ``magnitude``), as a 0-d tensor.
+
+    Exactly ``torch.kthvalue(v.reshape(-1), d − k + 1).values`` with ``v = x`` (``x.abs()``) and
+    ``d = x.numel()``, in the dtype of ``x``.  ``x`` must be a finite floating tensor (float16,
+    bfloat16, float32 or float64) and ``1 <= k <= d``.
+    """
+    if x.dtype not in _INT_OF:
+        raise TypeError(f"kth_largest needs a 16/32/64-bit floating tensor, got {x.dtype}")
+    d = x.numel()
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
+        raise ValueError(f"k must be an int in [1, {d}] (the number of entries), got {k!r}")
+    flat = x.detach().reshape(-1)
+    if d <= _SMALL or flat.device.type != "cpu":
+        values = flat.abs() if magnitude else flat
+        return torch.kthvalue(values, d - k + 1).values
+    bits = flat.view(_INT_OF[x.dtype]).numpy()
+    lo, hi = _bracket(bits, k, d, magnitude)
+    above, cand = _count_and_collect(bits, lo, hi, magnitude)
+    if not above < k <= above + cand.size:  # the sample missed: select among all keys
+        above, cand = 0, _keys(bits, magnitude)
+    pos = cand.size - (k - above)  # ascending position of the answer among the candidates
+    return _from_key(int(np.partition(cand, pos)[pos]), magnitude, x.dtype)
