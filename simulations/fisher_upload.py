@@ -20,13 +20,31 @@ dense uploads, so the budget is active) are merged. Reported per form:
   r is the run's ``lora-rank``, for synthetic inputs the rank their task vectors are drawn at);
 * real input only: the scenario's metrics of θ₀ + Δ (forgetting and utility).
 
+F̂ is itself an estimate from N = ``fisher-batches`` batches of one sequence of the client's
+shard. The yardstick is therefore the ``resampling`` rows: the same e, dense Fishers estimated
+again from R = ``--redraws`` other draws of N batches of the same data, the same task vectors and
+ε; redrawn for every client, and for the forget clients only (the retain clients keep the
+uploaded F̂, which a top-α' upload with α' ≥ α sends exactly). On the real run each client's F̂
+is recomputed at θ₀ (the weights the clients received in the run's one round; recomputing the
+run's own batches must give the uploaded F̂, on CPU bit for bit): redraw r uses the r-th block of N
+examples after the N the run used where the shard holds (R+1)·N examples (disjoint batches),
+otherwise N examples drawn with replacement from the shard (the run's forget shards are
+smaller than N, so their F̂ was the shard mean). A synthetic input's redraw multiplies every F̂
+entrywise by exp(σz − σ²/2), z ~ N(0, 1), σ² = ln(1 + ρ²), which keeps its mean and moves it by
+ρ in relative norm, ρ the role's relative spread measured between two real redraws
+(``--fisher-spread`` without the run).
+
+Recommendation: the resampling bound b is the smallest, over inputs and both merges, median
+over redraws of the resampling e (every client's F̂ redrawn); the recommended
+``fisher-upload-fraction`` is the smallest α' of the grid whose worst e (over inputs, FIRM base
+and projected) is at most b, printed with its bytes per client. Also reported: the α' under b
+with only the forget clients' F̂ redrawn, and the α' that keeps e ≤ ``--bound`` (a fixed 1 %).
+
 Inputs: a real Flower run of the built-in tofu scenario (small substrate, 4 forget clients in
 one domain, 2 retain clients, dense uploads saved), and synthetic uploads of
 ``simulations.bench_merge``'s kind with 1, 2, 4 and 8 forget clients per domain.
-The recommended ``fisher-upload-fraction`` is the smallest α' of the grid whose e stays below
-``--bound`` for both merges on every input.
 
-    python -m simulations.fisher_upload [--reuse-run] [--bound 0.01]
+    python -m simulations.fisher_upload [--reuse-run] [--bound 0.01] [--redraws 3]
 
 Writes ``fisher_upload.json``, ``fisher_upload.md`` and ``fisher_upload.png`` into
 ``--output-dir`` (default ``outputs/fisher_upload``).
@@ -35,11 +53,12 @@ Writes ``fisher_upload.json``, ``fisher_upload.md`` and ``fisher_upload.png`` in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,11 +69,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
+from fedunlearn.fisher import empirical_fisher_diagonal  # noqa: E402
 from fedunlearn.merging import ClientUpdate, MergeResult, firm_merge  # noqa: E402
 from fedunlearn.merging.firm import normalize_and_sparsify  # noqa: E402
+from fedunlearn.qa_format import encode_record  # noqa: E402
 from fedunlearn.upload_codec import DecodedTensors, encode_fisher, upload_bytes  # noqa: E402
 from simulations import bench_merge, run_local  # noqa: E402
-from simulations.sweep import point_metrics, run_and_load_uploads  # noqa: E402
+from simulations.sweep import FlowerUploads, point_metrics, run_and_load_uploads  # noqa: E402
 from strategies.results import json_safe  # noqa: E402
 
 ALPHA = bench_merge.ALPHA
@@ -63,6 +84,13 @@ EPS0 = bench_merge.EPS0
 FRACTION_MULTIPLES = (1.0, 1.25, 1.5, 2.0, 3.0, 5.0)
 EPSILON_FACTOR = 0.3
 DEFAULT_BOUND = 0.01
+#: R, the redraws of every client's Fisher
+REDRAWS = 3
+#: the run's batches recomputed at θ₀ must give the uploaded F̂ to this relative difference
+REPRODUCTION_TOLERANCE = 1e-5
+#: ρ of the synthetic redraws without a real run (the forget clients' on the tofu run; the
+#: retain clients' was larger, 1.15)
+DEFAULT_SPREAD = 0.35
 #: the built-in tofu scenario at the small substrate (a Flower run of about 1.5 minutes on 2
 #: cores): 2 forget authors over 4 forget clients in ONE domain, 2 retain clients; the Fisher
 #: is uploaded dense so that the saved uploads are the raw F̂
@@ -73,6 +101,7 @@ RUN_CONFIG = (
     "num-retain-clients=2 fisher-upload='dense'"
 )
 SYNTHETIC_PER_DOMAIN = (1, 2, 4, 8)
+MERGES = ("base", "projected")
 Evaluate = Callable[[str, dict[str, torch.Tensor]], dict[str, Any]]
 
 
@@ -112,8 +141,7 @@ def recode(
         shapes = {k: tuple(v.shape) for k, v in u.fisher.items()}
         parts = encode_fisher(u.fisher, form.form, form.fraction)
         decoded = DecodedTensors.from_parts(parts, shapes)
-        fisher = {k: decoded[k] for k in decoded}
-        out.append(ClientUpdate(u.node_id, u.role, u.domain, u.num_examples, u.task_vector, fisher))
+        out.append(dataclasses.replace(u, fisher={k: decoded[k] for k in decoded}))
         sizes.append(upload_bytes(parts))
     return out, sizes
 
@@ -174,6 +202,78 @@ def budget(dense_base: MergeResult, factor: float = EPSILON_FACTOR) -> float:
     return factor * statistics.fmean(damages)
 
 
+@dataclass
+class DenseReference:
+    """FIRM base and projected on the dense uploads, the budget ε and the pooled supports."""
+
+    base: MergeResult
+    projected: MergeResult
+    epsilon: float
+    support: dict[tuple[str, str], torch.Tensor]
+    merge_kwargs: dict[str, float]
+
+    def compare(
+        self, updates: Sequence[ClientUpdate], name: str, evaluate: Evaluate | None
+    ) -> dict[str, Any]:
+        """e of both merges of ``updates`` against the dense ones (same ε), the support
+        change and, with ``evaluate``, the merged models' metrics."""
+        base = firm_merge(updates, epsilon=math.inf, **self.merge_kwargs)
+        projected = firm_merge(updates, epsilon=self.epsilon, **self.merge_kwargs)
+        alpha = self.merge_kwargs["alpha"]
+        row: dict[str, Any] = {
+            "base": relative_error(base, self.base),
+            "projected": relative_error(projected, self.projected),
+            "support_change": support_change(pooled_supports(updates, alpha), self.support),
+        }
+        if evaluate is not None:
+            row["metrics"] = {
+                "base": evaluate(f"{name} base", base.delta),
+                "projected": evaluate(f"{name} projected", projected.delta),
+            }
+        return row
+
+
+def dense_reference(updates: Sequence[ClientUpdate], gamma: float, alpha: float) -> DenseReference:
+    """The dense merges every other merge of ``updates`` is measured against."""
+    kwargs = {"gamma": gamma, "alpha": alpha, "eps0": EPS0}
+    base = firm_merge(updates, epsilon=math.inf, **kwargs)
+    epsilon = budget(base)
+    projected = firm_merge(updates, epsilon=epsilon, **kwargs)
+    return DenseReference(base, projected, epsilon, pooled_supports(updates, alpha), kwargs)
+
+
+#: the resampling rows: every client's F̂ redrawn, or only the forget clients' (the retain
+#: clients keep the uploaded F̂, which a top-α' upload with α' ≥ α sends exactly)
+REDRAWN = ("all", "forget")
+REDRAWN_TEXT = {"all": "all clients", "forget": "forget clients only"}
+
+
+def resampling(
+    reference: DenseReference,
+    updates: Sequence[ClientUpdate],
+    redraws: Iterable[Sequence[ClientUpdate]],
+    evaluate: Evaluate | None = None,
+) -> dict[str, dict[str, Any]]:
+    """The ``resampling`` rows (:data:`REDRAWN`): every redraw's e against the dense merge
+    of ``updates``, and per merge the min / median / max over redraws (support change:
+    median); empty without redraws."""
+    draws: dict[str, list[dict[str, Any]]] = {k: [] for k in REDRAWN}
+    for r, redraw in enumerate(redraws, start=1):
+        draws["all"].append(reference.compare(redraw, f"resample {r}", evaluate))
+        forget = [d if u.role == "forget" else u for u, d in zip(updates, redraw, strict=True)]
+        draws["forget"].append(reference.compare(forget, f"resample {r} forget", evaluate))
+    return {k: _over_draws(v) for k, v in draws.items() if v}
+
+
+def _over_draws(draws: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"draws": draws}
+    for merge in MERGES:
+        errors = [d[merge]["error"] for d in draws]
+        out[merge] = {"min": min(errors), "median": statistics.median(errors), "max": max(errors)}
+    out["support_change"] = statistics.median(d["support_change"] for d in draws)
+    return out
+
+
 def measure_input(
     updates: Sequence[ClientUpdate],
     *,
@@ -182,42 +282,34 @@ def measure_input(
     forms: Sequence[FisherForm] | None = None,
     alpha: float = ALPHA,
     evaluate: Evaluate | None = None,
+    redraws: Iterable[Sequence[ClientUpdate]] = (),
 ) -> dict[str, Any]:
     """Every form's merge errors, support change and bytes on one input (see the module
-    docstring); with ``evaluate`` also the merged models' metrics."""
-    kwargs = {"gamma": gamma, "alpha": alpha, "eps0": EPS0}
-    dense_base = firm_merge(updates, epsilon=math.inf, **kwargs)
-    epsilon = budget(dense_base)
-    dense_projected = firm_merge(updates, epsilon=epsilon, **kwargs)
-    reference_support = pooled_supports(updates, alpha)
+    docstring), the ``resampling`` rows of the ``redraws`` (the same clients with F̂ estimated
+    again; none: no rows); with ``evaluate`` also the merged models' metrics."""
+    reference = dense_reference(updates, gamma, alpha)
     shapes = [tuple(t.shape) for t in updates[0].task_vector.values()]
     entries = sum(math.prod(s) for s in shapes)
     tv_bytes = sum(factor_bytes(s, lora_rank) for s in shapes)
     rows = []
     for form in forms or fisher_forms(alpha):
         compact, sizes = recode(updates, form)
-        base = firm_merge(compact, epsilon=math.inf, **kwargs)
-        projected = firm_merge(compact, epsilon=epsilon, **kwargs)
         fisher_bytes = statistics.fmean(sizes)
-        row = {
-            "form": form.form,
-            "fraction": form.fraction if form.form == "topk" else None,
-            "label": form.label,
-            "base": relative_error(base, dense_base),
-            "projected": relative_error(projected, dense_projected),
-            "support_change": support_change(pooled_supports(compact, alpha), reference_support),
-            "fisher_bytes": fisher_bytes,
-            "fisher_bytes_ratio": fisher_bytes / (4 * entries),
-            "upload_ratio": 8 * entries / (tv_bytes + fisher_bytes),
-        }
-        if evaluate is not None:
-            row["metrics"] = {
-                "base": evaluate(f"{form.label} base", base.delta),
-                "projected": evaluate(f"{form.label} projected", projected.delta),
+        rows.append(
+            {
+                "form": form.form,
+                "fraction": form.fraction if form.form == "topk" else None,
+                "label": form.label,
+                **reference.compare(compact, form.label, evaluate),
+                "fisher_bytes": fisher_bytes,
+                "fisher_bytes_ratio": fisher_bytes / (4 * entries),
+                "upload_bytes": tv_bytes + fisher_bytes,
+                "upload_ratio": 8 * entries / (tv_bytes + fisher_bytes),
             }
-        rows.append(row)
-    active = sum(t["projection"]["active"] for t in dense_projected.report["tensors"].values())
-    return {
+        )
+    tensors = reference.projected.report["tensors"].values()
+    active = sum(t["projection"]["active"] for t in tensors)
+    result = {
         "entries_per_client": entries,
         "clients": {
             "forget": sum(u.role == "forget" for u in updates),
@@ -226,10 +318,124 @@ def measure_input(
         },
         "gamma": gamma,
         "lora_rank": lora_rank,
-        "epsilon": epsilon,
+        "epsilon": reference.epsilon,
         "projection_active_tensors": f"{active}/{len(shapes)}",
         "rows": rows,
     }
+    resampled = resampling(reference, updates, redraws, evaluate)
+    if resampled:
+        result["resampling"] = resampled
+    return result
+
+
+# -------------------------------------------------------------------------- Fisher redraws
+def redraw_batches(
+    num_examples: int, num_batches: int, redraw: int, *, redraws: int = REDRAWS, seed: int = 0
+) -> list[int]:
+    """Shard positions of the N = ``num_batches`` one-sequence batches of redraw r ≥ 1: the
+    r-th block of N after the N the run used (disjoint from them and from the other redraws)
+    where the shard holds (R+1)·N examples, else N draws with replacement (seeded)."""
+    if not 1 <= redraw <= redraws:
+        raise ValueError(f"redraw must be in 1..{redraws}, got {redraw}")
+    if num_examples >= (redraws + 1) * num_batches:
+        return list(range(redraw * num_batches, (redraw + 1) * num_batches))
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(num_examples, (num_batches,), generator=generator).tolist()
+
+
+def refit_fishers(
+    flower: FlowerUploads, choose: Callable[[int, int], Sequence[int]]
+) -> list[ClientUpdate]:
+    """The run's uploads with every F̂ recomputed at θ₀ from the shard positions
+    ``choose(client position, shard size)`` (one batch each, in that order)."""
+    records = flower.run_model.scenario.records()
+    shards = {str(a["node_id"]): a["indices"] for a in flower.results["assignments"]}
+    tokenizer, model = flower.run_model.tokenizer, flower.run_model.model
+    out = []
+    for position, u in enumerate(flower.updates):
+        shard = [records[i] for i in shards[str(u.node_id)]]
+        chosen = [encode_record(tokenizer, shard[i]) for i in choose(position, len(shard))]
+        fisher = empirical_fisher_diagonal(
+            model,
+            chosen,
+            list(u.task_vector),
+            pad_token_id=tokenizer.pad_token_id,
+            num_batches=len(chosen),
+        )
+        out.append(dataclasses.replace(u, fisher=fisher))
+    return out
+
+
+def max_relative_difference(a: Sequence[ClientUpdate], b: Sequence[ClientUpdate]) -> float:
+    """max over clients and tensors of max|F̂ᵃ − F̂ᵇ| / max|F̂ᵇ|."""
+    return max(
+        float((_fisher(ua)[k].float() - f.float()).abs().max()) / float(f.float().abs().max())
+        for ua, ub in zip(a, b, strict=True)
+        for k, f in _fisher(ub).items()
+    )
+
+
+def _fisher(u: ClientUpdate) -> Mapping[str, torch.Tensor]:
+    if u.fisher is None:
+        raise ValueError(f"client {u.node_id!r} has no Fisher diagonal")
+    return u.fisher
+
+
+def real_redraws(flower: FlowerUploads, redraws: int) -> tuple[list[list[ClientUpdate]], float]:
+    """R redraws of every client's F̂ at θ₀ (:func:`redraw_batches`), and how far the run's
+    own batches recomputed are from the uploaded F̂ (max relative difference; above
+    ``REPRODUCTION_TOLERANCE`` θ₀ or the shards are not the clients', an error)."""
+    if flower.results["config"].get("num-rounds") != 1:
+        raise ValueError("Fisher redraws need a one-round run: θ₀ is the weights before it")
+    n_batches, seed = flower.settings.fisher_batches, flower.settings.seed
+    rerun = refit_fishers(flower, lambda _, n: [b % n for b in range(n_batches)])
+    reproduction = max_relative_difference(rerun, flower.updates)
+    if reproduction > REPRODUCTION_TOLERANCE:
+        raise ValueError(
+            f"recomputing the run's Fisher batches is {reproduction:.2e} from the uploaded F̂"
+        )
+    draws = [
+        refit_fishers(
+            flower,
+            lambda position, n, r=r: redraw_batches(
+                n, n_batches, r, redraws=redraws, seed=seed * 10_000 + 100 * position + r
+            ),
+        )
+        for r in range(1, redraws + 1)
+    ]
+    return draws, reproduction
+
+
+def relative_spread(
+    a: Sequence[ClientUpdate], b: Sequence[ClientUpdate], uploaded: Sequence[ClientUpdate]
+) -> dict[str, float]:
+    """ρ per role: the median over its clients of ‖F̂ᵃ − F̂ᵇ‖ / (√2·‖F̂‖) over all tensors,
+    F̂ the uploaded Fisher: one redraw's relative deviation if two redraws are independent
+    (their difference has twice one draw's variance)."""
+    spreads: dict[str, list[float]] = {}
+    for ua, ub, u in zip(a, b, uploaded, strict=True):
+        fa, fb, f = _fisher(ua), _fisher(ub), _fisher(u)
+        diff = sum(float((fa[k] - fb[k]).double().pow(2).sum()) for k in f)
+        ref = sum(float(v.double().pow(2).sum()) for v in f.values())
+        spreads.setdefault(u.role, []).append(math.sqrt(diff / (2 * ref)))
+    return {role: statistics.median(v) for role, v in spreads.items()}
+
+
+def perturbed(
+    updates: Sequence[ClientUpdate], spread: dict[str, float], seed: int
+) -> list[ClientUpdate]:
+    """A synthetic redraw: every F̂ times exp(σz − σ²/2) entrywise, z ~ N(0, 1) i.i.d.,
+    σ² = ln(1 + ρ²), ρ = ``spread[role]``: E F̂' = F̂ and E‖F̂' − F̂‖² = ρ²‖F̂‖²."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for u in updates:
+        sigma = math.sqrt(math.log1p(spread[u.role] ** 2))
+        fisher = {}
+        for k, f in _fisher(u).items():
+            z = torch.randn(f.shape, generator=generator, dtype=torch.float32)
+            fisher[k] = f.float() * z.mul_(sigma).sub_(sigma**2 / 2).exp_()
+        out.append(dataclasses.replace(u, fisher=fisher))
+    return out
 
 
 # ------------------------------------------------------------------------------------ inputs
@@ -257,8 +463,20 @@ def synthetic_updates(
     return bench_merge.make_inputs(cfg)[0]
 
 
-def real_input(run_config: str, output_dir: Path, *, reuse: bool) -> dict[str, Any]:
-    """The Flower run's uploads measured, every merged model evaluated."""
+def synthetic_input(
+    per_domain: int, spread: dict[str, float], redraws: int, shape: dict[str, int]
+) -> dict[str, Any]:
+    """A synthetic input measured, with ``redraws`` :func:`perturbed` redraws."""
+    updates = synthetic_updates(per_domain, **shape)
+    draws = (perturbed(updates, spread, 1000 * shape["seed"] + r) for r in range(1, redraws + 1))
+    return measure_input(updates, gamma=1.0, lora_rank=bench_merge.RANK, redraws=draws)
+
+
+def real_input(
+    run_config: str, output_dir: Path, *, reuse: bool, redraws: int
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """The Flower run's uploads measured with their real Fisher redraws, every merged model
+    evaluated; and ρ per role between the first two redraws."""
     flower = run_and_load_uploads(f"{RUN_CONFIG} {run_config}".strip(), output_dir, reuse=reuse)
     position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
     flower.updates.sort(key=lambda u: position[str(u.node_id)])
@@ -268,18 +486,27 @@ def real_input(run_config: str, output_dir: Path, *, reuse: bool) -> dict[str, A
         metrics = flower.evaluate(name, delta)
         return {k: metrics.get(k) for k in names}
 
+    draws, reproduction = real_redraws(flower, redraws)
+    spread = relative_spread(draws[0], draws[1], flower.updates)
     result = measure_input(
         flower.updates,
         gamma=flower.settings.gamma,
         lora_rank=flower.settings.lora_rank,
         evaluate=evaluate,
+        redraws=draws,
     )
     before = flower.results["metrics"]["before"]
     reference = flower.results["metrics"].get("reference") or {}
     result["before"] = {k: before.get(k) for k in names}
     result["reference"] = {k: reference.get(k) for k in names}
     result["flower_run"] = str(flower.results_path)
-    return result
+    result["fisher_batches"] = flower.settings.fisher_batches
+    result["fisher_reproduction_max_rel_diff"] = reproduction
+    result["shard_sizes"] = [
+        {"role": a["role"], "examples": len(a["indices"])} for a in flower.results["assignments"]
+    ]
+    result["fisher_spread"] = spread
+    return result, spread
 
 
 # ------------------------------------------------------------------------------ recommendation
@@ -293,22 +520,45 @@ def max_errors(inputs: dict[str, dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def recommend(inputs: dict[str, dict[str, Any]], bound: float) -> dict[str, Any]:
-    """The smallest top-k α' whose e < ``bound`` on every input (``None`` if there is none),
-    with its bytes on the first input (the real run unless it was skipped)."""
+def resampling_bound(inputs: dict[str, dict[str, Any]], redrawn: str = "all") -> float | None:
+    """b: the smallest, over inputs with redraws and both merges, median over redraws of the
+    resampling e with ``redrawn`` clients' F̂ redrawn (``None`` without redraws)."""
+    medians = [
+        result["resampling"][redrawn][merge]["median"]
+        for result in inputs.values()
+        if "resampling" in result
+        for merge in MERGES
+    ]
+    return min(medians) if medians else None
+
+
+def smallest_fraction(inputs: dict[str, dict[str, Any]], bound: float) -> dict[str, Any]:
+    """The smallest top-k α' whose e ≤ ``bound`` on every input and both merges (``None`` if
+    there is none), with its bytes per client on the first input (the real run unless it was
+    skipped)."""
     worst = max_errors(inputs)
     bytes_input, first = next((k, v["rows"]) for k, v in inputs.items())
     fractions = sorted(r["fraction"] for r in first if r["form"] == "topk")
-    chosen = next((f for f in fractions if worst[f"topk {f:g}"] < bound), None)
-    row = next((r for r in first if chosen is not None and r["fraction"] == chosen), None)
+    chosen = next((f for f in fractions if worst[f"topk {f:g}"] <= bound), None)
+    row = next((r for r in first if chosen is not None and r["fraction"] == chosen), {})
     return {
         "bound": bound,
         "fraction": chosen,
-        "max_error_by_form": worst,
         "bytes_input": bytes_input,
-        "fisher_bytes_ratio": None if row is None else row["fisher_bytes_ratio"],
-        "upload_ratio": None if row is None else row["upload_ratio"],
+        **{k: row.get(k) for k in ("fisher_bytes", "fisher_bytes_ratio", "upload_bytes")},
+        "upload_ratio": row.get("upload_ratio"),
     }
+
+
+def recommend(inputs: dict[str, dict[str, Any]], fixed_bound: float) -> dict[str, Any]:
+    """The recommendation (α' under the resampling bound b, every client's F̂ redrawn), the α'
+    under b with only the forget clients' F̂ redrawn, and the fixed-bound rule's α'."""
+    out: dict[str, Any] = {"max_error_by_form": max_errors(inputs)}
+    for redrawn in REDRAWN:
+        bound = resampling_bound(inputs, redrawn)
+        out[f"resampling_{redrawn}"] = None if bound is None else smallest_fraction(inputs, bound)
+    out["fixed"] = smallest_fraction(inputs, fixed_bound)
+    return out
 
 
 # ------------------------------------------------------------------------------------ report
@@ -326,26 +576,97 @@ def markdown(summary: dict[str, Any]) -> str:
                 f"| {p['error']:.2%} | {p['worst_error']:.2%} | {r['support_change']:.2%} "
                 f"| {r['fisher_bytes_ratio']:.3f} | {r['upload_ratio']:.1f}x |"
             )
+        for redrawn, s in result.get("resampling", {}).items():
+            lines.append(
+                f"| {name} | Fisher resampling, {REDRAWN_TEXT[redrawn]} ({len(s['draws'])} "
+                f"redraws, min / median) | {_range(s['base'])} | - | {_range(s['projected'])} "
+                f"| - | {s['support_change']:.2%} | 1.000 (dense) | - |"
+            )
+    lines += ["", _by_fraction_table(summary)]
     real = summary["inputs"].get("tofu-run")
     if real is not None:
-        lines += ["", _metrics_table(real)]
-    rec = summary["recommendation"]
-    lines += [
-        "",
+        lines += ["", _redraw_note(real), "", _metrics_table(real)]
+    lines += ["", *_recommendation_lines(summary["recommendation"])]
+    return "\n".join(lines) + "\n"
+
+
+def _range(stats: dict[str, float]) -> str:
+    return f"{stats['min']:.2%} / {stats['median']:.2%}"
+
+
+def _by_fraction_table(summary: dict[str, Any]) -> str:
+    """Per form: e on the real run and the worst synthetic input, and its bytes."""
+    inputs = summary["inputs"]
+    real = inputs.get("tofu-run")
+    synthetic = [v for k, v in inputs.items() if k != "tofu-run"]
+    first = next(iter(inputs.values()))
+    lines = [
+        "| Fisher form | e base real | e projected real | e base synthetic worst "
+        "| e projected synthetic worst | Fisher bytes / dense | Fisher bytes per client |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for i, row in enumerate(first["rows"]):
+        cells = ["-" if real is None else f"{real['rows'][i][m]['error']:.2%}" for m in MERGES] + [
+            "-" if not synthetic else f"{max(v['rows'][i][m]['error'] for v in synthetic):.2%}"
+            for m in MERGES
+        ]
+        lines.append(
+            f"| {row['label']} | "
+            + " | ".join(cells)
+            + f" | {row['fisher_bytes_ratio']:.3f} | {row['fisher_bytes']:,.0f} |"
+        )
+    for name, result in inputs.items():
+        for redrawn, s in result.get("resampling", {}).items():
+            lines.append(
+                f"| resampling median, {name}, {REDRAWN_TEXT[redrawn]} "
+                f"| {s['base']['median']:.2%} | {s['projected']['median']:.2%} | | | 1.000 | |"
+            )
+    return "\n".join(lines)
+
+
+def _redraw_note(real: dict[str, Any]) -> str:
+    sizes = sorted({(s["role"], s["examples"]) for s in real["shard_sizes"]})
+    return (
+        f"Real redraws: F̂ recomputed at θ₀ from N = {real['fisher_batches']} batches (the run's "
+        f"batches give the uploaded F̂ to {real['fisher_reproduction_max_rel_diff']:.1e}, "
+        "max relative difference); shards "
+        + ", ".join(f"{role} {n}" for role, n in sizes)
+        + " examples (disjoint blocks where a shard holds (R+1)·N, else drawn with "
+        "replacement). Relative spread ρ of one redraw: "
+        + ", ".join(f"{role} {v:.3f}" for role, v in real["fisher_spread"].items())
+    )
+
+
+def _recommendation_lines(rec: dict[str, Any]) -> list[str]:
+    lines = [
         "Largest e over inputs and merges: "
         + ", ".join(f"{k} {v:.2%}" for k, v in rec["max_error_by_form"].items()),
     ]
-    if rec["fraction"] is None:
-        lines.append(
-            f"No top-k fraction of the grid keeps e below {rec['bound']:.2%} on every input."
+    rules = [
+        (
+            f"resampling_{redrawn}",
+            f"the resampling bound b ({REDRAWN_TEXT[redrawn]}: smallest median resampling e "
+            "over inputs and merges)",
         )
-    else:
-        lines.append(
-            f"Recommended fisher-upload-fraction: {rec['fraction']:g} (e < {rec['bound']:.2%} on "
-            f"every input); Fisher {rec['fisher_bytes_ratio']:.3f} of dense, upload "
-            f"{rec['upload_ratio']:.1f}x smaller than dense on {rec['bytes_input']}"
-        )
-    return "\n".join(lines) + "\n"
+        for redrawn in REDRAWN
+    ]
+    for key, rule in [*rules, ("fixed", "the fixed bound")]:
+        r = rec[key]
+        if r is None:
+            lines.append(f"No redraws: {rule} is undefined.")
+        elif r["fraction"] is None:
+            lines.append(
+                f"Under {rule} = {r['bound']:.2%}: no top-k fraction of the grid keeps the "
+                "worst e within it."
+            )
+        else:
+            lines.append(
+                f"Under {rule} = {r['bound']:.2%}: fisher-upload-fraction {r['fraction']:g}; "
+                f"on {r['bytes_input']} {r['fisher_bytes']:,.0f} Fisher bytes per client "
+                f"({r['fisher_bytes_ratio']:.3f} of dense), {r['upload_bytes']:,.0f} bytes "
+                f"per upload, {r['upload_ratio']:.1f}x smaller than dense"
+            )
+    return lines
 
 
 def _metrics_table(real: dict[str, Any]) -> str:
@@ -356,12 +677,15 @@ def _metrics_table(real: dict[str, Any]) -> str:
     ]
     for label, metrics in (("before", real["before"]), ("reference", real["reference"])):
         lines.append(f"| {label} | " + " | ".join(_num(metrics.get(n)) for n in names) + " |")
-    for r in real["rows"]:
-        for merge in ("base", "projected"):
+    labelled = [(r["label"], r) for r in real["rows"]] + [
+        (f"resample {i} ({REDRAWN_TEXT[redrawn]})", d)
+        for redrawn, s in real["resampling"].items()
+        for i, d in enumerate(s["draws"], start=1)
+    ]
+    for label, r in labelled:
+        for merge in MERGES:
             m = r["metrics"][merge]
-            lines.append(
-                f"| {r['label']} {merge} | " + " | ".join(_num(m.get(n)) for n in names) + " |"
-            )
+            lines.append(f"| {label} {merge} | " + " | ".join(_num(m.get(n)) for n in names) + " |")
     return "\n".join(lines)
 
 
@@ -370,10 +694,11 @@ def _num(x: Any) -> str:
 
 
 def plot(summary: dict[str, Any], path: Path) -> Path:
-    """e against α'/α per input, FIRM base and projected; bf16 dashed, the bound dotted."""
+    """e against α'/α per input, FIRM base and projected; bf16 dashed, each input's median
+    resampling e dash-dotted (forget clients only: dotted), the fixed bound black."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     alpha = summary["alpha"]
-    for ax, merge in zip(axes, ("base", "projected"), strict=True):
+    for ax, merge in zip(axes, MERGES, strict=True):
         for i, (name, result) in enumerate(summary["inputs"].items()):
             color = f"C{i}"
             topk = [r for r in result["rows"] if r["form"] == "topk"]
@@ -381,10 +706,13 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
             ax.plot(xs, [100 * r[merge]["error"] for r in topk], "o-", color=color, label=name)
             bf16 = next(r for r in result["rows"] if r["form"] == "bf16")
             ax.axhline(100 * bf16[merge]["error"], color=color, ls="--", lw=0.8)
-        ax.axhline(100 * summary["recommendation"]["bound"], color="k", ls=":", label="bound")
+            for redrawn, s in result.get("resampling", {}).items():
+                ls = "-." if redrawn == "all" else (0, (1, 3))
+                ax.axhline(100 * s[merge]["median"], color=color, ls=ls, lw=1.2)
+        ax.axhline(100 * summary["recommendation"]["fixed"]["bound"], color="k", ls="-")
         ax.set_xscale("log")
         ax.set_xlabel("top-k fraction α' / α")
-        ax.set_title(f"FIRM {merge} (dashed: bf16)")
+        ax.set_title(f"FIRM {merge}: bf16 --, resampling median -. (forget only ··)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("‖Δ_compact − Δ_dense‖ / ‖Δ_dense‖ (%)")
     axes[1].legend(fontsize=8)
@@ -398,21 +726,21 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
 def study(args: argparse.Namespace) -> dict[str, Any]:
     """The real run (unless ``--skip-run``) and the synthetic inputs, the recommendation."""
     inputs: dict[str, dict[str, Any]] = {}
+    spread = {"forget": args.fisher_spread, "retain": args.fisher_spread}
     if not args.skip_run:
-        inputs["tofu-run"] = real_input(
-            args.run_config, args.output_dir / "flower-run", reuse=args.reuse_run
+        inputs["tofu-run"], spread = real_input(
+            args.run_config,
+            args.output_dir / "flower-run",
+            reuse=args.reuse_run,
+            redraws=args.redraws,
         )
     shape = {"tensors": args.tensors, "rows": args.rows, "cols": args.cols, "seed": args.seed}
     for n in SYNTHETIC_PER_DOMAIN:
-        updates = synthetic_updates(n, **shape)
-        inputs[f"synthetic {n}/domain"] = measure_input(
-            updates, gamma=1.0, lora_rank=bench_merge.RANK
-        )
-        del updates
+        inputs[f"synthetic {n}/domain"] = synthetic_input(n, spread, args.redraws, shape)
     return {
         "alpha": ALPHA,
         "epsilon_factor": EPSILON_FACTOR,
-        "synthetic": shape,
+        "synthetic": {**shape, "fisher_spread": spread},
         "inputs": inputs,
         "recommendation": recommend(inputs, args.bound),
     }
@@ -424,12 +752,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--reuse-run", action="store_true", help="reuse an earlier Flower run")
     parser.add_argument("--skip-run", action="store_true", help="synthetic inputs only")
-    parser.add_argument("--bound", type=float, default=DEFAULT_BOUND, help="bound on e")
+    parser.add_argument("--bound", type=float, default=DEFAULT_BOUND, help="fixed bound on e")
+    parser.add_argument("--redraws", type=int, default=REDRAWS, help="Fisher redraws (R ≥ 2)")
+    parser.add_argument(
+        "--fisher-spread",
+        type=float,
+        default=DEFAULT_SPREAD,
+        help="ρ of the synthetic redraws with --skip-run (else measured on the run)",
+    )
     parser.add_argument("--tensors", type=int, default=3, help="synthetic tensors")
     parser.add_argument("--rows", type=int, default=2048, help="synthetic rows")
     parser.add_argument("--cols", type=int, default=512, help="synthetic columns")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.redraws < 2:
+        parser.error("--redraws must be at least 2 (ρ is measured between two redraws)")
     logging.getLogger("flwr").propagate = False
     args.output_dir = (
         args.output_dir or run_local.REPO_ROOT / "outputs" / "fisher_upload"
