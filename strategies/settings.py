@@ -100,7 +100,7 @@ class RunSettings:
     # what a client uploads (fedunlearn.upload_codec)
     task_vector_upload: str = "factors"  # factors (LoRA's B, A, s) | dense
     fisher_upload: str = "topk"  # topk | bf16 | dense
-    fisher_upload_fraction: float = 0.15  # α' of topk; >= alpha for FIRM
+    fisher_upload_fraction: float = 0.1  # α' of topk; >= alpha for FIRM (default = alpha)
     stream_uploads: bool = True  # uploads to disk as read, merged from memory maps
     # objective options (SPEC §6); each objective reads its own
     graddiff_alpha: float = 1.0
@@ -126,6 +126,7 @@ class RunSettings:
     mpu_merge: str = "firm"
     mpu_mode: str = "mpu"
     mpu_copies: int = 2
+    mpu_publish: str = "per-client"  # per-client | per-round (one set of copies per round)
     mpu_kappa: float = 0.01
     mpu_permute_groups: bool = True
     mpu_secret: str = ""  # refused: a secret in the run config leaks (secret_files)
