@@ -38,7 +38,9 @@ For m = 1 both names coincide mathematically and run the same code (the ``"exact
 root solve, which is the projection).
 
 All solver arithmetic is done in float64 on the coordinates where some ``F̃_k`` is positive and
-``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``).  Both solvers end on a point with
+``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``); a coordinate step on ``λ_k`` only visits the
+support of ``F̃_k`` (the other coordinates add exact zeros to its sums), and the sums are taken
+slice by slice over the threads, so they round like a sum in another order would.  Both solvers end on a point with
 ``b_k ≤ epsilon`` in float64 (the exact solver aims at ``epsilon·(1 − 1e-12)`` so that this
 survives summing in another order); the cast to the output dtype rounds toward zero, so it cannot
 increase any ``|Δ(j)|`` and feasibility survives the cast.
@@ -52,8 +54,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from ._chunks import map_spans
 
 SOLVERS: tuple[str, ...] = ("exact", "increase-only")
 PLANNED_SOLVERS: tuple[str, ...] = ()
@@ -120,16 +126,6 @@ def check_solver(solver: str) -> None:
 def _denominator(lam: torch.Tensor, fs: torch.Tensor) -> torch.Tensor:
     """``1 + 2 Σ_k λ_k F̃_k(j)`` on the support."""
     return 1.0 + 2.0 * (lam @ fs)
-
-
-def _damages(weights: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``b_k(Δ(λ)) = Σ_j F̃_k(j)·Δ_base(j)² / den(j)²`` for every k, shape ``(m,)``."""
-    return (weights / (den * den)).sum(dim=1)
-
-
-def _dual(base_sq: torch.Tensor, den: torch.Tensor, lam: torch.Tensor, epsilon: float) -> float:
-    """``g(λ) = ½ Σ_j Δ_base(j)²·s_j/(1 + s_j) − epsilon·Σ_k λ_k`` with ``s = den − 1``."""
-    return 0.5 * float((base_sq * ((den - 1.0) / den)).sum()) - epsilon * float(lam.sum())
 
 
 def _kkt_residual(lam: torch.Tensor, b: torch.Tensor, epsilon: float) -> float:
@@ -225,9 +221,57 @@ def _increase_only(
 
 
 # ------------------------------------------------------------------------------ exact solver
+@dataclass
+class _Coordinate:
+    """Constraint k restricted to its own support (where ``F̃_k > 0``; ``w_k`` is 0 elsewhere).
+
+    ``cols`` holds every ``F̃_l`` there (``m × n_k``), so ``1 + 2 λ·cols`` is the denominator
+    on that support; ``f`` and ``w`` are ``F̃_k`` and ``w_k = F̃_k·Δ_base²``.  Sums of ``w_k``
+    terms over the support equal those over all solver coordinates (the others add exact zeros).
+    """
+
+    cols: torch.Tensor
+    f: torch.Tensor
+    w: torch.Tensor
+
+    @classmethod
+    def of(cls, k: int, fs: torch.Tensor, weights: torch.Tensor) -> _Coordinate:
+        if fs.shape[0] == 1:
+            return cls(fs, fs[0], weights[0])
+        idx = _flat_nonzero(fs[k])
+        cols = fs.new_empty((fs.shape[0], idx.numel()))
+        for row, out in zip(fs, cols, strict=True):
+            torch.index_select(row, 0, idx, out=out)
+        return cls(cols, cols[k], weights[k].index_select(0, idx))
+
+    def damage(self, lam: torch.Tensor) -> float:
+        """``b_k(Δ(λ))`` as the solver computes it (chunked float64 sum)."""
+        return _phi(self.w, self.f, _denominator(lam, self.cols), 0.0)[0]
+
+
+def _phi(
+    wk: torch.Tensor, fk: torch.Tensor, other: torch.Tensor, x: float, slope: bool = False
+) -> tuple[float, float]:
+    """``(φ(x), φ'(x))`` with ``φ(x) = Σ wk/(other + 2x·fk)²`` (``φ' = 0`` unless ``slope``).
+
+    Evaluated slice by slice (cache-sized temporaries, slices spread over the threads).
+    """
+
+    def part(span: slice) -> tuple[float, float]:
+        den = fk[span] * (2.0 * x)
+        den.add_(other[span])
+        q = wk[span] / (den * den)
+        phi = float(q.sum())
+        if not slope:
+            return phi, 0.0
+        return phi, float(q.mul_(fk[span]).div_(den).sum())
+
+    parts = map_spans(part, wk.numel(), wk.device)
+    return sum(p[0] for p in parts), -4.0 * sum(p[1] for p in parts)
+
+
 def _coordinate_root(
-    wk: torch.Tensor,
-    fk: torch.Tensor,
+    coord: _Coordinate,
     other: torch.Tensor,
     epsilon: float,
     x0: float,
@@ -244,14 +288,12 @@ def _coordinate_root(
     doubling steps of relative size ``2^-52``, to the feasible side.  Returns
     ``(x, evaluations)``.
     """
+    wk, fk = coord.w, coord.f
     x = max(float(x0), 0.0)
     evals = 0
     been_left = False
     for _ in range(max_iter):
-        den = other + 2.0 * x * fk
-        q = wk / (den * den)
-        phi = float(q.sum())
-        dphi = -4.0 * float((q * fk / den).sum())
+        phi, dphi = _phi(wk, fk, other, x, slope=True)
         evals += 1
         if phi <= epsilon and been_left:
             return x, evals  # crossed the root from the left: only rounding is left
@@ -267,9 +309,8 @@ def _coordinate_root(
     step = max(x, 1e-300) * 2.0**-52
     doublings = 0
     while True:
-        dd = other + 2.0 * x * fk
         evals += 1
-        if float((wk / (dd * dd)).sum()) <= epsilon:
+        if _phi(wk, fk, other, x)[0] <= epsilon:
             return x, evals
         x += step
         step *= 2.0
@@ -281,42 +322,37 @@ def _coordinate_root(
 def _coordinate_update(
     lam: torch.Tensor,
     k: int,
-    fs: torch.Tensor,
-    weights: torch.Tensor,
+    coord: _Coordinate,
     epsilon: float,
     max_iter: int,
     raise_only: bool,
 ) -> int:
     """Maximise the dual over ``λ_k`` in place (``raise_only``: only if ``b_k > epsilon``).
 
-    Returns the number of damage evaluations.
+    Works on constraint k's own support.  Returns the number of damage evaluations.
     """
-    den = _denominator(lam, fs)
+    den = _denominator(lam, coord.cols)
     lam_k = float(lam[k])
+    other = den - 2.0 * lam_k * coord.f
     if raise_only:
-        b_k = float((weights[k] / (den * den)).sum())
-        if b_k <= epsilon:
+        if _phi(coord.w, coord.f, den, 0.0)[0] <= epsilon:
             return 1
-        other = den - 2.0 * lam_k * fs[k]
-        new, evals = _coordinate_root(weights[k], fs[k], other, epsilon, lam_k, max_iter)
+        new, evals = _coordinate_root(coord, other, epsilon, lam_k, max_iter)
         lam[k] = max(new, lam_k)
         # ``other + 2x·f_k`` and ``1 + 2 λ·F̃`` may round differently: nudge until ``b_k`` as
         # the caller computes it is within the budget too.
         step = max(float(lam[k]), 1e-300) * 2.0**-52
         for _ in range(_MAX_DOUBLINGS):
-            den = _denominator(lam, fs)
             evals += 1
-            if float((weights[k] / (den * den)).sum()) <= epsilon:
+            if coord.damage(lam) <= epsilon:
                 return evals + 1
             lam[k] += step
             step *= 2.0
         raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
-    other = den - 2.0 * lam_k * fs[k]
-    b_at_zero = float((weights[k] / (other * other)).sum())
-    if b_at_zero <= epsilon:
+    if _phi(coord.w, coord.f, other, 0.0)[0] <= epsilon:
         lam[k] = 0.0
         return 1
-    new, evals = _coordinate_root(weights[k], fs[k], other, epsilon, lam_k, max_iter)
+    new, evals = _coordinate_root(coord, other, epsilon, lam_k, max_iter)
     lam[k] = new
     return evals + 1
 
@@ -366,6 +402,40 @@ def _box_qp(q: torch.Tensor, c: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _dual_pass(
+    lam: torch.Tensor,
+    base_sq: torch.Tensor,
+    fs: torch.Tensor,
+    weights: torch.Tensor,
+    hessian: bool = False,
+) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+    """``(½ Σ Δ_base²·s/(1 + s), b, H)`` at ``λ`` in one slice-by-slice pass (float64).
+
+    ``b`` are the damages ``b_k(Δ(λ))`` and ``H`` (with ``hessian``) the dual Hessian
+    ``−4 Σ_j F̃_k F̃_l Δ_base² / den³``, on the CPU.
+    """
+
+    def part(span: slice) -> tuple[float, torch.Tensor, torch.Tensor | None]:
+        f = fs[:, span]
+        den = _denominator(lam, f)
+        half = 0.5 * float((base_sq[span] * ((den - 1.0) / den)).sum())
+        w = weights[:, span] / (den * den)
+        b = w.sum(dim=1)
+        h = (w.div_(den) @ f.T) if hessian else None
+        return half, b, h
+
+    parts = map_spans(part, base_sq.numel(), base_sq.device)
+    m = fs.shape[0]
+    b = torch.zeros(m, dtype=torch.float64, device=fs.device)
+    hess = torch.zeros((m, m), dtype=torch.float64, device=fs.device) if hessian else None
+    for _, pb, ph in parts:
+        b.add_(pb)
+        if hess is not None:
+            hess.add_(ph)  # type: ignore[arg-type]
+    hess = None if hess is None else (-4.0 * hess).cpu()
+    return sum(p[0] for p in parts), b, hess
+
+
 def _newton_acceleration(
     lam: torch.Tensor,
     base_sq: torch.Tensor,
@@ -383,16 +453,14 @@ def _newton_acceleration(
     the dual beyond rounding or — once the dual is flat to rounding — keeps it and reduces the
     KKT residual.  Returns the number of trial points evaluated.
     """
-    den = _denominator(lam, fs)
-    b = _damages(weights, den)
+    half, b, hess = _dual_pass(lam, base_sq, fs, weights, hessian=True)
     res0 = _kkt_residual(lam, b, epsilon)
     if res0 == 0.0:
         return 0
-    g0 = _dual(base_sq, den, lam, epsilon)
-    hess = (-4.0 * ((weights / (den * den * den)) @ fs.T)).cpu()
+    g0 = half - epsilon * float(lam.sum())
     r = (b - epsilon).cpu()
     lam_c = lam.cpu()
-    target = _box_qp(-hess, hess @ lam_c - r, lam_c)
+    target = _box_qp(-hess, hess @ lam_c - r, lam_c)  # type: ignore[operator]
     step = (target - lam_c).to(lam.device)
     if not bool(torch.isfinite(step).all()) or float(step.abs().max()) == 0.0:
         return 0
@@ -400,11 +468,9 @@ def _newton_acceleration(
     t = 1.0
     for trial in range(1, _MAX_BACKTRACKS + 1):
         cand = (lam + t * step).clamp(min=0.0)
-        den_c = _denominator(cand, fs)
-        g_c = _dual(base_sq, den_c, cand, epsilon)
-        if g_c > g0 + slack or (
-            g_c >= g0 - slack and _kkt_residual(cand, _damages(weights, den_c), epsilon) < res0
-        ):
+        half_c, b_c, _ = _dual_pass(cand, base_sq, fs, weights)
+        g_c = half_c - epsilon * float(cand.sum())
+        if g_c > g0 + slack or (g_c >= g0 - slack and _kkt_residual(cand, b_c, epsilon) < res0):
             lam.copy_(cand)
             return trial
         t *= 0.5
@@ -420,6 +486,7 @@ def _exact(
 ) -> tuple[torch.Tensor, int, int, bool, bool]:
     """Dual maximisation.  Returns ``(λ, sweeps, iterations, stopped, feasibility_pass)``."""
     m = fs.shape[0]
+    coords = [_Coordinate.of(k, fs, weights) for k in range(m)]
     lam = torch.zeros(m, dtype=torch.float64, device=fs.device)
     iterations = 0
     sweeps = 0
@@ -428,7 +495,7 @@ def _exact(
         sweeps += 1
         prev = lam.clone()
         for k in range(m):
-            iterations += _coordinate_update(lam, k, fs, weights, epsilon, max_iter, False)
+            iterations += _coordinate_update(lam, k, coords[k], epsilon, max_iter, False)
         if m == 1:  # one exact coordinate maximisation solves the whole problem
             stopped = True
             break
@@ -441,13 +508,12 @@ def _exact(
     # Feasibility pass: raise (only) the multipliers of constraints that are still violated.
     feasibility_pass = False
     for _ in range(max_iter):
-        den = _denominator(lam, fs)
-        violated = [k for k in range(m) if float((weights[k] / (den * den)).sum()) > epsilon]
+        violated = [k for k in range(m) if coords[k].damage(lam) > epsilon]
         if not violated:
             break
         feasibility_pass = True
         for k in violated:
-            iterations += _coordinate_update(lam, k, fs, weights, epsilon, max_iter, True)
+            iterations += _coordinate_update(lam, k, coords[k], epsilon, max_iter, True)
     return lam, sweeps, iterations, stopped, feasibility_pass
 
 
@@ -528,18 +594,84 @@ def project_retention(
     )
 
 
+def _flat_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the non-zero entries of the flat tensor ``t`` (int64).
+
+    On the CPU through numpy, slice by slice over the threads (``torch.nonzero`` is several
+    times slower there); elsewhere ``torch.nonzero``.
+    """
+    if t.device.type != "cpu" or t.dtype not in (torch.bool, torch.float32, torch.float64):
+        return torch.nonzero(t).squeeze(1)
+    arr = t.numpy()
+
+    def part(span: slice) -> np.ndarray:
+        chunk = arr[span]
+        return np.flatnonzero(chunk if chunk.dtype == np.bool_ else chunk != 0) + span.start
+
+    parts = map_spans(part, arr.size, t.device)
+    return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
+
+
 class _SparseFisher:
     """A Fisher diagonal kept as its non-zero entries: flat indices and float64 values."""
 
     def __init__(self, fisher: torch.Tensor, device: torch.device) -> None:
         flat = fisher.reshape(-1).to(device)
-        self.idx = torch.nonzero(flat).squeeze(1)
-        self.values = flat[self.idx].to(torch.float64)
+        self.idx = _flat_nonzero(flat)
+        self.values = flat.index_select(0, self.idx).to(torch.float64)
 
     def damage(self, delta_flat: torch.Tensor) -> float:
         """``Σ_j F̃(j)·Δ(j)²`` over the support (where ``F̃`` is zero nothing is added)."""
-        d = delta_flat[self.idx].to(torch.float64)
+        d = delta_flat.index_select(0, self.idx).to(torch.float64)
         return float((self.values * d * d).sum())
+
+
+def _solver_support(flat: torch.Tensor, sparse: Sequence[_SparseFisher]) -> torch.Tensor:
+    """Solver coordinates: in the support of some ``F̃_k``, with ``Δ_base(j) ≠ 0`` (ascending)."""
+    if len(sparse) == 1:
+        idx = sparse[0].idx
+        return idx[flat.index_select(0, idx) != 0]
+    in_support = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
+    for sf in sparse:
+        in_support[sf.idx] = True
+    in_support &= flat != 0
+    return _flat_nonzero(in_support)
+
+
+def _certificate(
+    lam: torch.Tensor, base_s: torch.Tensor, fs: torch.Tensor, epsilon: float
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(Δ*, b, duality gap)`` on the solver coordinates, in one slice-by-slice pass."""
+    proj = torch.empty_like(base_s)
+
+    def part(span: slice) -> tuple[torch.Tensor, float, float]:
+        f, base = fs[:, span], base_s[span]
+        den = _denominator(lam, f)
+        p = base / den
+        proj[span] = p
+        b = (f * (p * p)).sum(dim=1)
+        primal = 0.5 * float(((p - base) ** 2).sum())
+        half = 0.5 * float((base * base * ((den - 1.0) / den)).sum())
+        return b, primal, half
+
+    parts = map_spans(part, base_s.numel(), base_s.device)
+    b = torch.zeros(fs.shape[0], dtype=torch.float64, device=fs.device)
+    for pb, _, _ in parts:
+        b.add_(pb)
+    primal = sum(p[1] for p in parts)
+    dual = sum(p[2] for p in parts) - epsilon * float(lam.sum())
+    return proj, b, primal - dual
+
+
+def _cast_flat(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A new flat tensor: :func:`cast_toward_zero` of ``flat``, slice by slice."""
+    out = torch.empty(flat.shape, dtype=dtype, device=flat.device)
+
+    def part(span: slice) -> None:
+        out[span] = cast_toward_zero(flat[span], dtype)
+
+    map_spans(part, flat.numel(), flat.device)
+    return out
 
 
 def _project_checked(
@@ -585,19 +717,11 @@ def _project_checked(
         else:
             damage_after = [sf.damage(result.reshape(-1)) for sf in sparse]
     else:
-        # Solver coordinates: in the support of some F̃_k, with Δ_base(j) ≠ 0 (ascending).
-        if m == 1:
-            idx = sparse[0].idx[flat[sparse[0].idx] != 0]
-        else:
-            in_support = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
-            for sf in sparse:
-                in_support[sf.idx] = True
-            idx = torch.nonzero(in_support & (flat != 0)).squeeze(1)
-            del in_support
-        base_s = flat[idx].to(torch.float64)
-        fs = torch.stack(
-            [f.reshape(-1).to(flat.device)[idx].to(torch.float64) for f in fishers]
-        )  # (m, n_s)
+        idx = _solver_support(flat, sparse)
+        base_s = flat.index_select(0, idx).to(torch.float64)
+        fs = base_s.new_empty((m, idx.numel()))  # (m, n_s)
+        for f, row in zip(fishers, fs, strict=True):
+            row.copy_(f.reshape(-1).to(flat.device).index_select(0, idx))
         base_sq = base_s * base_s
         weights = fs * base_sq  # F̃_k(j)·Δ_base(j)²
 
@@ -608,26 +732,20 @@ def _project_checked(
         else:
             lam_t, sweeps, iterations, stopped = _increase_only(fs, weights, epsilon, tau, max_iter)
         lam = [float(x) for x in lam_t]
-        den = _denominator(lam_t, fs)
-        proj_s = base_s / den
-
+        del weights, base_sq
         # KKT certificate of the float64 point (before the cast).
-        b = (fs * (proj_s * proj_s)).sum(dim=1)
+        proj_s, b, gap = _certificate(lam_t, base_s, fs, epsilon)
         viol = b - epsilon
         primal_violation = float(viol.clamp(min=0.0).max())
         slackness = float((lam_t * viol).abs().max())
-        primal = 0.5 * float(((proj_s - base_s) ** 2).sum())
-        gap = primal - _dual(base_sq, den, lam_t, epsilon)
         converged = bool(stopped)
         if solver == "exact" or m == 1:
             converged = converged and _kkt_residual(lam_t, b, epsilon) <= tau
 
         # Off the solver support Δ* = Δ_base: cast it straight from its own dtype (the same
         # value, so the same rounding as from float64), then write the projected entries.
-        out = cast_toward_zero(flat, out_dtype)
-        if out is flat:
-            out = out.clone()  # the cast was a no-op: never write into the caller's tensor
-        out[idx] = cast_toward_zero(proj_s, out_dtype)
+        out = _cast_flat(flat, out_dtype)  # a new tensor: never writes into the caller's
+        out.index_copy_(0, idx, cast_toward_zero(proj_s, out_dtype))
         damage_after = [sf.damage(out) for sf in sparse]
         result = out.reshape(delta_base.shape)
 
