@@ -448,6 +448,8 @@ class BenchConfig:
     repeats: int = 1
     configs: tuple[str, ...] = CONFIGS
     memory_limit_gb: float = MEMORY_LIMIT_GB
+    #: how long to wait for the machine's MemAvailable to cover a step before giving up
+    memory_wait_s: float = 0.0
     work_dir: Path = OUTPUT_DIR / "work"
 
 
@@ -472,6 +474,28 @@ def _bytes_summary(sizes: Sequence[dict[str, int]]) -> dict[str, float]:
     }
 
 
+def _mem_available() -> int:
+    """The machine's MemAvailable (``/proc/meminfo``) in bytes."""
+    with open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable is not in /proc/meminfo")
+
+
+def await_memory(needed: int, step: str, wait_s: float) -> None:
+    """Return once the machine has ``needed`` bytes available (others share it), polling for
+    up to ``wait_s`` seconds; ``RuntimeError`` naming ``step`` otherwise."""
+    deadline = time.monotonic() + wait_s
+    while (available := _mem_available()) < needed:
+        if time.monotonic() >= deadline:
+            raise RuntimeError(
+                f"{step} needs about {needed / 1e9:.1f} GB but the machine has "
+                f"{available / 1e9:.1f} GB available"
+            )
+        time.sleep(10.0)
+
+
 def run_scale(scale: Scale, cfg: BenchConfig) -> dict[str, Any]:
     """Bytes, server cases and errors of one scale (module doc); its files are removed."""
     estimate = dense_server_estimate(scale)
@@ -488,6 +512,8 @@ def run_scale(scale: Scale, cfg: BenchConfig) -> dict[str, Any]:
         job = UploadJob(
             shapes, clients, folder, cfg.seed, cfg.rank, cfg.scaling, cfg.fraction, cfg.threads
         )
+        client_bytes = 8 * scale.entries()
+        await_memory(3 * client_bytes, f"{scale.name}: writing uploads", cfg.memory_wait_s)
         sizes = _spawned(write_uploads, job)
         configs = {}
         for config in cfg.configs:
@@ -495,6 +521,8 @@ def run_scale(scale: Scale, cfg: BenchConfig) -> dict[str, Any]:
             for case in CASES:
                 out = folder / f"merged-{config}-{case}.safetensors"
                 job = CaseJob(case, config, clients, shapes, folder, out, cfg.threads, cfg.repeats)
+                needed = estimate if case == CASES[0] else 3 * client_bytes
+                await_memory(needed, f"{scale.name} {config} {case}", cfg.memory_wait_s)
                 cases[case] = _spawned(server_case, job)
             configs[config] = {
                 "cases": cases,
@@ -611,6 +639,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--repeats", type=int, default=1, help="merges per case (best time kept)")
     p.add_argument("--memory-limit-gb", type=float, default=MEMORY_LIMIT_GB)
+    p.add_argument(
+        "--memory-wait", type=float, default=0.0, help="seconds to wait for free memory per step"
+    )
     p.add_argument("--work-dir", type=Path, default=OUTPUT_DIR / "work")
     p.add_argument("--output", type=Path, default=None, help="JSON path")
     return p
@@ -634,6 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads or torch.get_num_threads(),
         repeats=args.repeats,
         memory_limit_gb=args.memory_limit_gb,
+        memory_wait_s=args.memory_wait,
         work_dir=args.work_dir,
     )
     results = run_benchmark(cfg)

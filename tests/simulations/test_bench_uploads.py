@@ -111,3 +111,9 @@ def test_the_report_and_json(measured, tmp_path):
     assert "small" in text and "compact-streaming" in text and "per-domain" in text
     json.loads(json.dumps(results))
     assert not any(cfg.work_dir.iterdir())  # the uploads and spools are removed
+
+
+def test_a_step_waits_for_the_machines_free_memory():
+    bu.await_memory(0, "nothing", 0.0)
+    with pytest.raises(RuntimeError, match="too much needs about 1000000000.0 GB"):
+        bu.await_memory(10**18, "too much", 0.0)
