@@ -22,6 +22,8 @@ T = TypeVar("T")
 
 #: Entries per slice (1 MiB of float32).
 CHUNK = 1 << 18
+#: Worker pools by thread count, created on first use and kept (starting threads costs ~1 ms).
+_POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def spans(numel: int) -> Iterator[slice]:
@@ -48,12 +50,17 @@ def map_spans(fn: Callable[[slice], T], numel: int, device: torch.device) -> lis
     many worker threads (the operators release the GIL), instead of every small operator
     splitting its span over all threads: no per-operator barrier, so a busy machine that
     pre-empts one thread does not stall the others.  ``fn`` must only write to its own span.
-    The results come back in span order, so reductions over them are deterministic.
+    The results come back in span order, so reductions over them are deterministic (and do not
+    depend on the thread count).  While the workers run, torch's intra-op thread count is 1
+    process-wide (restored afterwards).
     """
     threads = torch.get_num_threads()
     if threads <= 1 or numel <= CHUNK or device.type != "cpu":
         return [fn(span) for span in spans(numel)]
-    with _single_threaded_ops(), ThreadPoolExecutor(threads) as pool:
+    pool = _POOLS.get(threads)
+    if pool is None:
+        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="merge-slices")
+    with _single_threaded_ops():
         return list(pool.map(fn, spans(numel)))
 
 

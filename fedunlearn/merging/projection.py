@@ -40,10 +40,11 @@ root solve, which is the projection).
 All solver arithmetic is done in float64 on the coordinates where some ``F̃_k`` is positive and
 ``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``); a coordinate step on ``λ_k`` only visits the
 support of ``F̃_k`` (the other coordinates add exact zeros to its sums), and the sums are taken
-slice by slice over the threads, so they round like a sum in another order would.  Both solvers end on a point with
-``b_k ≤ epsilon`` in float64 (the exact solver aims at ``epsilon·(1 − 1e-12)`` so that this
-survives summing in another order); the cast to the output dtype rounds toward zero, so it cannot
-increase any ``|Δ(j)|`` and feasibility survives the cast.
+slice by slice over the threads, so they round like a sum in another order would.  Both solvers
+end on a point with ``b_k ≤ epsilon`` in float64 (the exact solver aims at
+``epsilon·(1 − 1e-12)`` so that this survives summing in another order); the cast to the output
+dtype rounds toward zero, so it cannot increase any ``|Δ(j)|`` and feasibility survives the
+cast.
 
 Every call reports a KKT certificate for the float64 point before the cast: the largest primal
 violation ``max_k (b_k − epsilon)₊``, the largest complementary slackness
