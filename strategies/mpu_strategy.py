@@ -7,6 +7,16 @@ task vector and Fisher diagonal in that copy's coordinates; the server maps them
 one ``ClientUpdate`` per client to the wrapped merge and sets θ ← θ + η_srv·Δ. Keys come from
 the server secret per (round, client, copy, layer) and never leave the server.
 
+``publish="per-round"`` (``mpu-publish``) draws ε⁰_k and T_k per (round, copy) instead and
+sends the same m copies to every client of the round, built once. For the server's weights
+that is no weaker: a coalition of clients then holds m copies of θ instead of m per member,
+and one client's view is unchanged (the same law of copies). What changes: the copies no
+longer identify the client they were sent to (a leaked copy cannot be traced to one client);
+every client's upload is in the same secret coordinates, so uploads of two clients can be
+compared without undoing T (only the server and the client itself should see an upload); and
+the noise, hence the second-order remainder the harmonic aggregate leaves, is the same for
+every client, so it no longer averages out across clients in the merge.
+
 Baselines through the same code path: ``clean`` (one exact copy) and ``noised`` (one copy
 θ + ε, no reparameterisation, no denoising).
 """
@@ -22,12 +32,12 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
-from clients.messages import decode_client_reply
+from clients.messages import decoded_arrays
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.mpu import (
     HarmonicAggregator,
+    LayerTransform,
     alphas,
-    apply_transform,
     derive_seed,
     draw_transforms,
     invert_delta,
@@ -35,15 +45,18 @@ from fedunlearn.mpu import (
     layer_groups,
     layer_sigmas,
     noisy_copy,
+    perturbed_copies,
     plan_reparam,
     sigma_per_tensor,
-    zero_sum_noise,
 )
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
 
 MPU_MODES = ("mpu", "clean", "noised")
+#: ``mpu-publish``: fresh copies for every client, or one set of copies for the whole round.
+MPU_PUBLISH = ("per-client", "per-round")
+TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
 
 
 class MpuStrategy(MergeStrategy):
@@ -59,6 +72,10 @@ class MpuStrategy(MergeStrategy):
         ``mpu``, ``clean`` or ``noised``.
     copies : int (default: 2)
         m, copies per client and round (``mpu`` only; the baselines use one).
+    publish : str (default: "per-client")
+        ``per-client``: noise and T_k drawn per (round, client, copy); ``per-round``: per
+        (round, copy), one set of copies built once and sent to every client of the round
+        (what that changes: the module docstring).
     kappa : float (default: 0.01)
         κ in σ_ℓ = κ·RMS(layer ℓ's weights).
     permute_groups : bool (default: True)
@@ -75,6 +92,7 @@ class MpuStrategy(MergeStrategy):
         secret: bytes,
         mode: str = "mpu",
         copies: int = 2,
+        publish: str = "per-client",
         kappa: float = 0.01,
         permute_groups: bool = True,
         sigma_reference: Mapping[str, torch.Tensor] | None = None,
@@ -87,7 +105,10 @@ class MpuStrategy(MergeStrategy):
             raise ValueError(f"MPU needs mpu-copies >= 2 (zero-sum noise), got {copies}")
         if kappa < 0:
             raise ValueError(f"mpu-kappa must be >= 0, got {kappa}")
+        if publish not in MPU_PUBLISH:
+            raise ValueError(f"mpu-publish must be one of {MPU_PUBLISH}, got {publish!r}")
         self.mode = mode
+        self.publish = publish
         self.copies = copies if mode == "mpu" else 1
         self.kappa = kappa
         self.permute_groups = permute_groups
@@ -108,6 +129,10 @@ class MpuStrategy(MergeStrategy):
         # θ of the round being published and its per-tensor σ (the same for every client)
         self._round_state: tuple[int, dict[str, torch.Tensor], dict[str, float]] | None = None
         self.sigma_per_layer: dict[int, float] = {}  # σ_ℓ of the last published round
+        # per-round publishing: the round's copies as sent, and their bytes
+        self._published: tuple[int, dict[str, ArrayRecord], int] | None = None
+        # T_k of the current round by (client key, copy), drawn once for publish and map back
+        self._transforms: tuple[int, dict[tuple[int | str, int], TransformSet]] = (0, {})
 
     # ---- keys ------------------------------------------------------------------------------
 
@@ -116,6 +141,7 @@ class MpuStrategy(MergeStrategy):
         return {
             "mode": self.mode,
             "copies": self.copies,
+            "publish": self.publish,
             "kappa": self.kappa,
             "alphas": list(self.alphas),
             "permute_groups": self.permute_groups,
@@ -131,15 +157,29 @@ class MpuStrategy(MergeStrategy):
         """The base record plus ``mpu`` (``report()``; never the secret)."""
         return {**super().round_record(), "mpu": json_safe(self.report())}
 
-    def _transforms(self, server_round: int, position: int, copy: int):
-        return draw_transforms(
-            self.dims,
-            self._secret,
-            server_round,
-            position * 1000 + copy,
-            self.num_layers,
-            permute_groups=self.permute_groups,
-        )
+    def _client_key(self, position: int) -> int | str:
+        """Whose keys: the client's position, or (``per-round``) the round's shared set."""
+        return position if self.publish == "per-client" else "per-round"
+
+    def copy_transforms(self, server_round: int, position: int, copy: int) -> TransformSet:
+        """T_k of copy ``copy`` sent to client ``position`` in ``server_round`` (drawn once per
+        round from the secret: ``per-client`` keys (round, position·1000 + copy), ``per-round``
+        keys (round, "per-round-<copy>"))."""
+        key = self._client_key(position)
+        if self._transforms[0] != server_round:
+            self._transforms = (server_round, {})
+        cache = self._transforms[1]
+        if (key, copy) not in cache:
+            copy_idx = position * 1000 + copy if self.publish == "per-client" else f"{key}-{copy}"
+            cache[(key, copy)] = draw_transforms(
+                self.dims,
+                self._secret,
+                server_round,
+                copy_idx,
+                self.num_layers,
+                permute_groups=self.permute_groups,
+            )
+        return cache[(key, copy)]
 
     def _state_and_sigmas(
         self, server_round: int, arrays: ArrayRecord
@@ -154,28 +194,27 @@ class MpuStrategy(MergeStrategy):
             self._round_state = (server_round, state, sigmas)
         return self._round_state[1], self._round_state[2]
 
-    def _noise(
+    def _copies(
         self,
         server_round: int,
         position: int,
         state: Mapping[str, torch.Tensor],
         sigmas: Mapping[str, float],
     ) -> list[dict[str, torch.Tensor]]:
-        """ε⁰_1..ε⁰_m for this client and round (``noised``: one plain Gaussian draw)."""
-        shapes = {name: state[name].shape for name in sigmas}
+        """T_k(θ + α_k ε⁰_k) for k = 1..m (``noised``: θ + ε, one plain Gaussian draw)."""
         gen = torch.Generator().manual_seed(
-            derive_seed(self._secret, server_round, position, "noise")
+            derive_seed(self._secret, server_round, self._client_key(position), "noise")
         )
         if self.mode == "mpu":
-            return zero_sum_noise(shapes, sigmas, self.copies, gen)
-        return [
-            {
-                name: torch.randn(shape, generator=gen, dtype=torch.float64)
-                .mul_(sigmas[name])
-                .to(torch.float32)
-                for name, shape in shapes.items()
-            }
-        ]
+            transforms = [
+                self.copy_transforms(server_round, position, k) for k in range(self.copies)
+            ]
+            return perturbed_copies(state, sigmas, self.alphas, gen, transforms)
+        noise = {
+            name: torch.randn(state[name].shape, generator=gen).mul_(sigma)
+            for name, sigma in sigmas.items()
+        }
+        return [noisy_copy(state, noise, 1.0)]
 
     # ---- hooks of MergeStrategy --------------------------------------------------------------
 
@@ -192,25 +231,32 @@ class MpuStrategy(MergeStrategy):
     def _publish(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
-        state, sigmas = self._state_and_sigmas(server_round, arrays)
         config = ConfigRecord({**dict(node_config), "mpu-copies": self.copies})
-        content = RecordDict({"config": config})
+        records, nbytes = self._records(server_round, position, arrays)
+        self.bytes_to_clients[position] = nbytes
+        return RecordDict({"config": config, **records})
+
+    def _records(
+        self, server_round: int, position: int, arrays: ArrayRecord
+    ) -> tuple[dict[str, ArrayRecord], int]:
+        """The ``arrays-<k>`` records client ``position`` receives and their payload bytes
+        (``per-round``: built by the round's first client, the same objects for the others)."""
+        if self._published is not None and self._published[0] == server_round:
+            return self._published[1], self._published[2]
+        state, sigmas = self._state_and_sigmas(server_round, arrays)
         if self.mode == "clean":
-            content["arrays-0"] = arrays
-            self.bytes_to_clients[position] = _nbytes(state)
-            return content
-        noise = self._noise(server_round, position, state, sigmas)
-        total = 0
-        for k, (eps0, alpha) in enumerate(zip(noise, self.alphas, strict=True)):
-            published = noisy_copy(state, eps0, alpha)
-            if self.mode == "mpu":
-                published = apply_transform(published, self._transforms(server_round, position, k))
-            content[f"arrays-{k}"] = ArrayRecord(
+            return {"arrays-0": arrays}, _nbytes(state)
+        copies = self._copies(server_round, position, state, sigmas)
+        records, nbytes = {}, 0
+        for k in range(len(copies)):
+            published, copies[k] = copies[k], {}  # one copy's tensors alive beside its record
+            records[f"arrays-{k}"] = ArrayRecord(
                 {name: t.contiguous() for name, t in published.items()}
             )
-            total += _nbytes(published)
-        self.bytes_to_clients[position] = total
-        return content
+            nbytes += _nbytes(published)
+        if self.publish == "per-round":
+            self._published = (server_round, records, nbytes)
+        return records, nbytes
 
     def decode_reply(
         self, server_round: int, node_id: int, content: RecordDict
@@ -226,43 +272,44 @@ class MpuStrategy(MergeStrategy):
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
         position = list(self.node_assignment).index(node_id)
-        aggregator = HarmonicAggregator()
+        # every copy of the round was built before the first reply: θ and the sent records
+        # are no longer needed here (the messages hold what they send)
+        self._round_state = self._published = None
+        spec = self.reply_spec(node_id)
+        aggregator = HarmonicAggregator(out_dtype=torch.float32)
         fisher_sum: dict[str, torch.Tensor] | None = None
-        first_update, fields = None, {}
+        keys: set[str] | None = None
+        fields: dict[str, Any] = {}
         for k, alpha in enumerate(self.alphas):
             copy_content = _copy_reply(content, k, node_id)
-            # every copy is checked in its own coordinates before T⁻¹ touches it
-            spec = self.reply_spec(node_id)
+            # every copy is checked in its own coordinates before T⁻¹ touches it; the
+            # checked records are then read as dense tensors, one weight at a time
             fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
-            update, _ = decode_client_reply(node_id, copy_content, spec.shapes)
-            if first_update is not None and (update.fisher is None) != (fisher_sum is None):
+            delta = decoded_arrays(copy_content["task_vector"], spec.shapes)
+            fisher = (
+                decoded_arrays(copy_content["fisher"], spec.shapes)
+                if "fisher" in copy_content
+                else None
+            )
+            if keys is not None and (fisher is None) != (fisher_sum is None):
                 raise ReplyRejected(f"{node_id} copy {k}", "sent a Fisher on some copies only")
-            if (
-                first_update is not None
-                and update.task_vector.keys() != first_update.task_vector.keys()
-            ):
+            if keys is not None and set(delta) != keys:
                 raise ReplyRejected(f"{node_id} copy {k}", "sent another key set than copy 0")
-            first_update = first_update or update
-            delta, fisher = update.task_vector, update.fisher
+            keys = set(delta)
             if self.mode == "mpu":
-                transforms = self._transforms(server_round, position, k)
+                transforms = self.copy_transforms(server_round, position, k)
                 delta = invert_delta(delta, transforms)
                 fisher = invert_fisher(fisher, transforms) if fisher is not None else None
             aggregator.add(delta, alpha)
             if fisher is not None:
-                fisher_sum = (
-                    {n: f.double() for n, f in fisher.items()}
-                    if fisher_sum is None
-                    else {n: fisher_sum[n] + f.double() for n, f in fisher.items()}
-                )
-        if first_update is None:
-            raise ValueError(f"client {node_id}: reply holds no copy")
+                fisher_sum = _accumulate(fisher_sum, fisher)
+        info = content["info"]
         combined = ClientUpdate(
             node_id=node_id,
-            role=first_update.role,
-            domain=first_update.domain,
-            num_examples=first_update.num_examples,
-            task_vector={n: t.float() for n, t in aggregator.result().items()},
+            role=str(info["role"]),
+            domain=str(info["domain"]),
+            num_examples=int(fields["num_examples"]),
+            task_vector=aggregator.result(),
             fisher=(
                 {n: (f / len(self.alphas)).float() for n, f in fisher_sum.items()}
                 if fisher_sum is not None
@@ -273,6 +320,17 @@ class MpuStrategy(MergeStrategy):
             mpu_copies=len(self.alphas), bytes_received=self.bytes_to_clients.get(position, 0)
         )
         return combined, fields
+
+
+def _accumulate(
+    total: dict[str, torch.Tensor] | None, fisher: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Σ_k F̂_k in float64 (a new sum for the first copy, in place after)."""
+    if total is None:
+        return {n: f.double() for n, f in fisher.items()}
+    for n, f in fisher.items():
+        total[n].add_(f)
+    return total
 
 
 def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:

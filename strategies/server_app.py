@@ -147,6 +147,7 @@ def main(grid: Grid, context: Context) -> None:
             secret=checkpoint.mpu_secret(given_secret(settings.mpu_secret_file)),
             mode=settings.mpu_mode,
             copies=settings.mpu_copies,
+            publish=settings.mpu_publish,
             kappa=settings.mpu_kappa,
             permute_groups=settings.mpu_permute_groups,
             server_lr=settings.mpu_server_lr,

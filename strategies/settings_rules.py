@@ -28,7 +28,7 @@ from fedunlearn.scenarios import RETAIN_LAYOUTS, SCENARIOS
 from fedunlearn.training.lora import parse_layers
 from fedunlearn.upload_codec import FISHER_UPLOADS, TASK_VECTOR_UPLOADS
 from strategies.merge_plugins import resolve_merge
-from strategies.mpu_strategy import MPU_MODES
+from strategies.mpu_strategy import MPU_MODES, MPU_PUBLISH
 
 DTYPES = ("auto", "float32", "bfloat16")  # float16 would need loss scaling
 FINETUNE_MODES = ("lora", "full")
@@ -168,6 +168,7 @@ RULES: dict[str, Rule] = {
     "solver": OneOf(lambda: SOLVERS),
     "mpu_merge": Parsed(check_mpu_merge),
     "mpu_mode": OneOf(lambda: MPU_MODES),
+    "mpu_publish": OneOf(lambda: MPU_PUBLISH),
     "mpu_sigma_source": OneOf(lambda: MPU_SIGMA_SOURCES),
     "dp2u_method": OneOf(lambda: DP2U_METHODS),
     # scenario and data

@@ -6,8 +6,10 @@ Pure torch (no Flower). Per round r and forget client the server
 2. draws zero-sum layer noise ε⁰_k with σ_ℓ = κ·RMS(v_ℓ) and scales α_k (:mod:`.noise`),
 3. publishes θ_pub,k = T_k(θ + α_k ε⁰_k) with a secret function-preserving T_k (:mod:`.reparam`;
    which architectures T supports, partially or not at all: :mod:`.support`),
-4. maps each returned update back, Δ̂_k = T_k⁻¹(Δ_k), and aggregates harmonically,
-   Δ̄ = S₁/S₀ (:mod:`.aggregate`).
+4. maps each returned update back, Δ̂_k = T_k⁻¹(Δ_k) (LoRA factors as factors:
+   :mod:`.uploads`), and aggregates harmonically, Δ̄ = S₁/S₀ (:mod:`.aggregate`).
+
+:mod:`.publish` builds the m copies of steps 2–3 in one pass over the weights.
 """
 
 from .aggregate import HarmonicAggregator, plain_mean
@@ -18,9 +20,13 @@ from .noise import (
     layer_groups,
     layer_sigmas,
     noisy_copy,
+    perturb,
     sigma_per_tensor,
+    zero_sum_coefficients,
+    zero_sum_draw,
     zero_sum_noise,
 )
+from .publish import perturbed_copies
 from .reparam import (
     LayerTransform,
     ReparamDims,
@@ -32,6 +38,7 @@ from .reparam import (
     invert_lora,
     invert_transform,
     parse_target,
+    transform_tensor,
 )
 from .support import (
     VERIFIED_MODEL_TYPES,
@@ -39,6 +46,7 @@ from .support import (
     UnsupportedArchitectureError,
     plan_reparam,
 )
+from .uploads import map_back
 
 __all__ = [
     "DEFAULT_SECRET_ENV_VAR",
@@ -61,11 +69,17 @@ __all__ = [
     "invert_transform",
     "layer_groups",
     "layer_sigmas",
+    "map_back",
     "noisy_copy",
     "parse_target",
+    "perturb",
+    "perturbed_copies",
     "plain_mean",
     "plan_reparam",
     "server_secret",
     "sigma_per_tensor",
+    "transform_tensor",
+    "zero_sum_coefficients",
+    "zero_sum_draw",
     "zero_sum_noise",
 ]

@@ -6,9 +6,10 @@ m copies and centres them::
 
     ε⁰_k = √(m/(m−1)) · (z_k − mean_j z_j),      so that  Σ_k ε⁰_k = 0,
 
-which keeps the per-coordinate variance at σ_ℓ². Copy k then receives θ + α_k ε⁰_k with distinct
-scales α_k > 0 (:func:`alphas`). Only weights under ``model.layers.<i>.`` are perturbed: the
-embeddings, the final norm and the LM head are never touched.
+which keeps the per-coordinate variance at σ_ℓ² (:func:`zero_sum_coefficients`: the same law
+from m − 1 normals per coordinate, drawn in float32). Copy k then receives θ + α_k ε⁰_k with
+distinct scales α_k > 0 (:func:`alphas`). Only weights under ``model.layers.<i>.`` are
+perturbed: the embeddings, the final norm and the LM head are never touched.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ __all__ = [
     "layer_sigmas",
     "noisy_copy",
     "sigma_per_tensor",
+    "perturb",
+    "zero_sum_coefficients",
+    "zero_sum_draw",
     "zero_sum_noise",
 ]
 
@@ -69,7 +73,8 @@ def layer_sigmas(
 
     v_ℓ is the concatenation of the layer's weights θ_ℓ, or of its task vector
     θ_ℓ − θ_reference,ℓ when ``reference`` (e.g. the pretrained weights) is given — the two
-    variants of SPEC §3. RMS(v) = √(Σ_t v(t)² / d_ℓ), accumulated in float64.
+    variants of SPEC §3. RMS(v) = √(Σ_t v(t)² / d_ℓ), accumulated in float64 (a float64 norm
+    of each tensor, read once without a float64 copy of the weights).
     """
     if not math.isfinite(kappa) or kappa < 0:
         raise ValueError(f"kappa must be finite and >= 0, got {kappa}")
@@ -79,7 +84,7 @@ def layer_sigmas(
         for name in names:
             if name not in state:
                 raise KeyError(f"layer {layer}: tensor {name!r} missing from state")
-            v = state[name].detach().to(torch.float64)
+            v = state[name].detach()
             if reference is not None:
                 if name not in reference:
                     raise KeyError(f"layer {layer}: tensor {name!r} missing from reference")
@@ -88,8 +93,8 @@ def layer_sigmas(
                     raise ValueError(
                         f"{name}: reference shape {tuple(ref.shape)} != {tuple(v.shape)}"
                     )
-                v = v - ref.to(device=v.device, dtype=torch.float64)
-            total += float(v.square().sum())
+                v = v.to(torch.float64) - ref.to(device=v.device, dtype=torch.float64)
+            total += float(torch.linalg.vector_norm(v, dtype=torch.float64)) ** 2
             count += v.numel()
         if count == 0:
             raise ValueError(f"layer {layer} has no weights")
@@ -115,15 +120,74 @@ def zero_sum_noise(
 ) -> list[dict[str, Tensor]]:
     """Zero-sum base noise ε⁰_1..ε⁰_m for the tensors in ``shapes``.
 
-    ε⁰_k = √(m/(m−1)) · (z_k − mean_j z_j) with z_k ~ N(0, σ² I), σ = ``sigma`` (one value for
-    all tensors, or a per-tensor mapping such as :func:`sigma_per_tensor` gives). The centring
-    is done in float64 and only then cast to ``dtype``, so Σ_k ε⁰_k = 0 up to float rounding;
-    each ε⁰_k has per-coordinate standard deviation σ. The draw is a deterministic function of
-    the ``generator`` state (tensors are drawn in sorted-name order), which the server seeds with
-    :func:`fedunlearn.mpu.keys.derive_seed`. Requires m ≥ 2 (one copy cannot be zero-sum).
+    σ = ``sigma`` (one value for all tensors, or a per-tensor mapping such as
+    :func:`sigma_per_tensor` gives); every tensor is drawn by :func:`zero_sum_draw`, in
+    sorted-name order, so the result is a deterministic function of the ``generator`` state
+    (the server seeds it with :func:`fedunlearn.mpu.keys.derive_seed`). Σ_k ε⁰_k = 0 (exactly
+    for m = 2, up to float rounding otherwise) and each ε⁰_k has per-coordinate standard
+    deviation σ. Requires m ≥ 2 (one copy cannot be zero-sum).
     """
+    _check_copies(m)
+    sig = _sigmas(shapes, sigma)
+    drawn = {
+        name: zero_sum_draw(shapes[name], sig[name], m, generator, dtype=_compute_dtype(dtype))
+        for name in sorted(shapes)
+    }
+    return [
+        {name: drawn[name][k].to(device=device, dtype=dtype) for name in shapes} for k in range(m)
+    ]
+
+
+def zero_sum_draw(
+    shape: Sequence[int] | torch.Size,
+    sigma: float,
+    m: int,
+    generator: torch.Generator,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> list[Tensor]:
+    """ε⁰_1..ε⁰_m of one tensor: ε⁰_k = Σ_j B_kj u_j with u_1..u_{m−1} ~ N(0, I) drawn in
+    ``dtype`` (one call ``randn((m−1, *shape))``) and B = :func:`zero_sum_coefficients`.
+
+    For m = 2 this is (σ·u, −σ·u): Σ_k ε⁰_k = 0 exactly. For m > 2 the combination is formed
+    in float64 and cast to ``dtype``.
+    """
+    _check_copies(m)
+    u = torch.randn((m - 1, *tuple(shape)), generator=generator, dtype=dtype)
+    coefficients = zero_sum_coefficients(m, sigma)
+    if m == 2:
+        first = u[0].mul_(float(coefficients[0, 0]))
+        return [first, -first]
+    eps = torch.tensordot(coefficients, u.to(torch.float64), dims=1)
+    return list(eps.to(dtype).unbind(0))
+
+
+def zero_sum_coefficients(m: int, sigma: float) -> Tensor:
+    """B = √(m/(m−1)) · σ · Hᵀ (m × (m−1), float64), H the (m−1) × m Helmert matrix.
+
+    H has orthonormal rows, each orthogonal to 1, so the centring matrix is I − 11ᵀ/m = HᵀH:
+    for z ~ N(0, σ² I_m) per coordinate the centred draw is Hᵀ(Hz), and Hz ~ N(0, σ² I_{m−1})
+    because HHᵀ = I. Hence ε⁰ = B·u with u ~ N(0, I_{m−1}) has exactly the law of
+    √(m/(m−1))·(z − z̄), from one normal fewer per coordinate; the columns of B sum to 0.
+    """
+    _check_copies(m)
+    helmert = torch.zeros(m - 1, m, dtype=torch.float64)
+    for j in range(1, m):  # row j = (1, …, 1, −j, 0, …, 0) / √(j(j+1))
+        helmert[j - 1, :j] = 1.0
+        helmert[j - 1, j] = -float(j)
+        helmert[j - 1] /= math.sqrt(j * (j + 1))
+    return helmert.T * (math.sqrt(m / (m - 1)) * sigma)
+
+
+def _check_copies(m: int) -> None:
     if isinstance(m, bool) or not isinstance(m, int) or m < 2:
         raise ValueError(f"zero-sum noise needs m >= 2 copies, got m={m!r}")
+
+
+def _sigmas(
+    shapes: Mapping[str, Sequence[int] | torch.Size], sigma: float | Mapping[str, float]
+) -> dict[str, float]:
+    """σ per tensor of ``shapes``, each finite and >= 0."""
     if isinstance(sigma, Mapping):
         missing = [name for name in shapes if name not in sigma]
         if missing:
@@ -134,14 +198,12 @@ def zero_sum_noise(
     for name, s in sig.items():
         if not math.isfinite(s) or s < 0:
             raise ValueError(f"{name}: sigma must be finite and >= 0, got {s}")
-    scale = math.sqrt(m / (m - 1))
-    drawn: dict[str, Tensor] = {}
-    for name in sorted(shapes):
-        z = torch.randn((m, *tuple(shapes[name])), generator=generator, dtype=torch.float64)
-        z.mul_(sig[name])
-        eps0 = (z - z.mean(dim=0, keepdim=True)) * scale
-        drawn[name] = eps0.to(device=device, dtype=dtype)
-    return [{name: drawn[name][k] for name in shapes} for k in range(m)]
+    return sig
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32, or float64 for float64 tensors (half-precision weights are handled in float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def alphas(m: int, low: float = 1.0, high: float = 2.0) -> list[float]:
@@ -168,8 +230,15 @@ def noisy_copy(
     for name, noise in eps0.items():
         if name not in state:
             raise KeyError(f"noise given for {name!r}, which is not in the state")
-        w = state[name]
-        if noise.shape != w.shape:
-            raise ValueError(f"{name}: noise shape {tuple(noise.shape)} != {tuple(w.shape)}")
-        out[name] = (w.to(torch.float64) + alpha * noise.to(w.device, torch.float64)).to(w.dtype)
+        out[name] = perturb(name, state[name], noise, alpha)
     return out
+
+
+def perturb(name: str, weight: Tensor, noise: Tensor, alpha: float) -> Tensor:
+    """w + α·ε for one tensor ``name``, in float32 (float64 for a float64 weight; one rounding
+    of the sum, far below σ), returned in the weight's dtype."""
+    if noise.shape != weight.shape:
+        raise ValueError(f"{name}: noise shape {tuple(noise.shape)} != {tuple(weight.shape)}")
+    dtype = _compute_dtype(weight.dtype)
+    total = torch.add(weight.to(dtype), noise.to(weight.device, dtype), alpha=alpha)
+    return total.to(weight.dtype)

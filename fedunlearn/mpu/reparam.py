@@ -54,6 +54,7 @@ __all__ = [
     "invert_lora",
     "invert_transform",
     "parse_target",
+    "transform_tensor",
 ]
 
 _PROJ_PATTERN = re.compile(
@@ -115,14 +116,17 @@ class LayerTransform:
             f"permute_groups={self.group_perm is not None})"
         )
 
+    def plane_cos_sin(self) -> tuple[Tensor, Tensor]:
+        """(cos φ_g,i, sin φ_g,i), float64, H_KV × d_h/2 each."""
+        if self.dims.sign_flips_only:  # exact ±1, no 1e-16 leak of sin(π) into the other axis
+            cos = torch.where(self.rope_angles == 0, 1.0, -1.0).to(torch.float64)
+            return cos, torch.zeros_like(self.rope_angles)
+        return torch.cos(self.rope_angles), torch.sin(self.rope_angles)
+
     def rope_rotations(self) -> Tensor:
         """R_g (float64, H_KV × d_h × d_h): rotation by φ_g,i in every plane (i, i + d_h/2)."""
         h_kv, half = self.rope_angles.shape
-        if self.dims.sign_flips_only:  # exact ±1, no 1e-16 leak of sin(π) into the other axis
-            cos = torch.where(self.rope_angles == 0, 1.0, -1.0).to(torch.float64)
-            sin = torch.zeros_like(self.rope_angles)
-        else:
-            cos, sin = torch.cos(self.rope_angles), torch.sin(self.rope_angles)
+        cos, sin = self.plane_cos_sin()
         rot = torch.zeros(h_kv, 2 * half, 2 * half, dtype=torch.float64)
         idx = torch.arange(half)
         rot[:, idx, idx] = cos
@@ -162,7 +166,7 @@ def draw_transforms(
     config_dims: ReparamDims | Any,
     secret: bytes | str,
     round_idx: int,
-    copy_idx: int,
+    copy_idx: int | str,
     num_layers: int,
     *,
     permute_groups: bool,
@@ -213,24 +217,42 @@ def _rows(
     if kind in ("gate", "up"):
         _check_dim(name, x.shape[0], d.intermediate_size, "output dim")
         perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
-        return x[perm.to(x.device)]
+        return x.index_select(0, perm.to(x.device))
     h_kv, d_h, n_rep = d.num_key_value_heads, d.head_dim, d.group_size
     heads = h_kv * (n_rep if kind == "q" else 1)
     _check_dim(name, x.shape[0], heads * d_h, "output dim")
-    mats = tf.vo_orth if kind == "v" else tf.rope_rotations()
-    mats = mats.to(x.device) ** 2 if square else mats.to(x.device)
     rest = x.shape[1:]
     y = x.to(torch.float64).reshape(h_kv, heads // h_kv, d_h, -1)  # (g, r, d_h, rest)
     perm = tf.group_perm.to(x.device) if tf.group_perm is not None else None
-    if not inverse:
-        y = torch.einsum("gab,grbi->grai", mats, y)  # block g ← M_g · block g
-        if perm is not None:
-            y = y[perm]  # slot j ← original group π(j)
+    if inverse and perm is not None:
+        y = y.index_select(0, _inverse_perm(perm))
+    if kind == "v":
+        mats = tf.vo_orth.to(x.device) ** 2 if square else tf.vo_orth.to(x.device)
+        # block g ← M_g · block g (forward) or M_gᵀ · block g (inverse)
+        y = torch.matmul((mats.transpose(1, 2) if inverse else mats).unsqueeze(1), y)
     else:
-        if perm is not None:
-            y = y[_inverse_perm(perm)]
-        y = torch.einsum("gba,grbi->grai", mats, y)  # block g ← M_gᵀ · block g
+        y = _rotate_planes(y, tf, inverse, square)
+    if not inverse and perm is not None:
+        y = y.index_select(0, perm)  # slot j ← original group π(j)
     return y.reshape(x.shape[0], *rest).to(x.dtype)
+
+
+def _rotate_planes(y: Tensor, tf: LayerTransform, inverse: bool, square: bool) -> Tensor:
+    """R_g (or R_gᵀ; with ``square`` their entries squared) on the d_h axis of ``y`` (g, r, d_h,
+    rest), plane by plane: R_g only mixes i with i + d_h/2 (:meth:`LayerTransform.
+    rope_rotations`), so two multiply-adds per entry replace a d_h × d_h product."""
+    cos, sin = tf.plane_cos_sin()
+    cos = cos.to(y.device)[:, None, :, None]  # (g, 1, d_h/2, 1)
+    sin = sin.to(y.device)[:, None, :, None]
+    if square:
+        cos, sin = cos * cos, sin * sin  # R∘² = [[c², s²], [s², c²]] = (Rᵀ)∘²
+    elif inverse:
+        sin = -sin  # Rᵀ rotates by −φ
+    half = y.shape[2] // 2
+    top, bottom = y[:, :, :half], y[:, :, half:]
+    if square:
+        return torch.cat([cos * top + sin * bottom, sin * top + cos * bottom], dim=2)
+    return torch.cat([cos * top - sin * bottom, sin * top + cos * bottom], dim=2)
 
 
 def _cols(
@@ -240,7 +262,7 @@ def _cols(
     if kind == "down":
         _check_dim(name, x.shape[-1], d.intermediate_size, "input dim")
         perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
-        return x[..., perm.to(x.device)]
+        return x.index_select(-1, perm.to(x.device))
     # o_proj: columns are the concatenated query-head outputs.
     h_kv, d_h, n_rep = d.num_key_value_heads, d.head_dim, d.group_size
     _check_dim(name, x.shape[-1], h_kv * n_rep * d_h, "input dim")
@@ -347,6 +369,14 @@ def apply_transform(
     from ``transforms``) are passed through as the same objects.
     """
     return _map_state(state, transforms, inverse=False)
+
+
+def transform_tensor(name: str, x: Tensor, transforms: Mapping[int, LayerTransform]) -> Tensor:
+    """T on one state-dict tensor ``name`` (what :func:`apply_transform` does to it): a new
+    tensor, or ``x`` itself when T leaves it unchanged."""
+    with torch.no_grad():
+        mapped = _map_tensor(name, x.detach(), transforms, inverse=False)
+    return x if mapped is None else mapped
 
 
 def invert_transform(

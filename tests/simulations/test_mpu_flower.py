@@ -24,9 +24,10 @@ SMALL_RUN = (
     [
         # the server secret from a private file (never in the run config)
         "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret-file='{secret_file}'",
-        # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained
+        # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained, one set of
+        # copies for all three clients of the round
         "mpu-merge='sum' mpu-copies=3 finetune='full' mpu-sigma-source='task-vector' "
-        "mpu-pretrained-path='{pretrained}' save-uploads=true",
+        "mpu-pretrained-path='{pretrained}' save-uploads=true mpu-publish='per-round'",
         "mpu-merge='fulm' mpu-mode='noised'",
         "mpu-merge='firm' mpu-mode='clean'",
     ],
@@ -61,6 +62,7 @@ def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
     assert results["metrics"]["after"] != results["metrics"]["before"]
     mpu = results["mpu"]
     assert mpu["mode"] == config["mpu-mode"] and mpu["copies"] == copies
+    assert mpu["publish"] == config["mpu-publish"]
     assert mpu["server_seconds"]["publish"] > 0 and mpu["server_seconds"]["map_back"] > 0
     assert mpu["sigma_source"] == config["mpu-sigma-source"]
     assert all(s > 0 for s in mpu["sigma_per_layer"].values()) or config["mpu-mode"] == "clean"

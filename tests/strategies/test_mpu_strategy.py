@@ -84,18 +84,14 @@ def test_replies_map_back_and_cancel_the_noise_to_first_order(tiny_model, copies
     content = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord())
     names = [n for n in state if n.endswith("_proj.weight")]
     eta = 0.1
-    updates, fishers = [], []
-    for k in range(copies):
-        published = content[f"arrays-{k}"].to_torch_state_dict()
-        updates.append({n: -eta * published[n] for n in names})
-        fishers.append({n: published[n] ** 2 for n in names})
-    update, fields = strategy.decode_reply(1, NODE, _reply(updates, fishers))
+    update, fields = strategy.decode_reply(1, NODE, _linear_reply(content, names, copies, eta))
     assert fields["mpu_copies"] == copies and fields["num_examples"] == 2
     for name in names:
         expected = -eta * state[name]
         assert torch.allclose(update.task_vector[name], expected, atol=1e-6), name
         assert (update.fisher[name] >= 0).all()
-    plain = {n: sum(u[n] for u in updates) / copies for n in names}  # without T⁻¹ and weights
+    published = [content[f"arrays-{k}"].to_torch_state_dict() for k in range(copies)]
+    plain = {n: sum(-eta * p[n] for p in published) / copies for n in names}  # no T⁻¹, weights
     assert max((plain[n] + eta * state[n]).abs().max() for n in names) > 1e-3
 
 
@@ -121,3 +117,77 @@ def test_task_vector_sigma_uses_the_pretrained_weights(tiny_model):
     layer0 = [v for k, v in state.items() if k.startswith("model.layers.0.")]
     rms = torch.cat([v.flatten().double() for v in layer0]).pow(2).mean().sqrt().item()
     assert by_weights.sigma_per_layer[0] == pytest.approx(0.05 * rms, rel=1e-6)
+
+
+def _linear_reply(content, names, copies, eta=0.1):
+    """A client whose update is linear in what it received: Δ_k = −η·θ_pub,k."""
+    updates, fishers = [], []
+    for k in range(copies):
+        published = content[f"arrays-{k}"].to_torch_state_dict()
+        updates.append({n: -eta * published[n] for n in names})
+        fishers.append({n: published[n] ** 2 for n in names})
+    return _reply(updates, fishers)
+
+
+def test_per_round_sends_one_set_of_copies_to_every_client(tiny_model):
+    """mpu-publish=per-round: the copies are built once per round and sent to every client
+    (the same records), drawn from keys of their own (not client 0's), fresh every round, and
+    every client's reply maps back with them."""
+    state, arrays = _state(tiny_model), ArrayRecord(_state(tiny_model))
+    assignments = [ClientAssignment("forget", "d", (i,)) for i in range(3)]
+    strategy = MpuStrategy(
+        merge="sum",
+        model_config=tiny_model.config,
+        secret=b"server-secret-for-tests",
+        copies=2,
+        kappa=0.05,
+        publish="per-round",
+        assignments=assignments,
+    )
+    strategy.node_assignment = {10 + i: a for i, a in enumerate(assignments)}
+    sent = [strategy.node_content(1, p, arrays, ConfigRecord({"p": p})) for p in range(3)]
+    for content in sent[1:]:
+        assert all(content[f"arrays-{k}"] is sent[0][f"arrays-{k}"] for k in range(2))
+    assert [c["config"]["p"] for c in sent] == [0, 1, 2]  # each client keeps its config
+    assert strategy.report()["publish"] == "per-round"
+    name = "model.layers.0.mlp.up_proj.weight"
+
+    def weight(content, k=0):
+        return content[f"arrays-{k}"].to_torch_state_dict()[name]
+
+    client_zero = _strategy(tiny_model, "mpu").node_content(1, 0, arrays, ConfigRecord())
+    assert not torch.equal(weight(client_zero), weight(sent[0]))
+    assert not torch.equal(
+        weight(strategy.node_content(2, 0, arrays, ConfigRecord())), weight(sent[0])
+    )
+    names = [n for n in state if n.endswith("_proj.weight")]
+    for node in (10, 12):
+        update, _ = strategy.decode_reply(1, node, _linear_reply(sent[0], names, 2))
+        for n in names:
+            assert torch.allclose(update.task_vector[n], -0.1 * state[n], atol=1e-6), (node, n)
+
+
+def test_per_client_copies_differ_between_clients_and_keys_are_drawn_once(tiny_model):
+    arrays = ArrayRecord(_state(tiny_model))
+    strategy = MpuStrategy(
+        merge="sum",
+        model_config=tiny_model.config,
+        secret=b"s",
+        assignments=[ClientAssignment("forget", "d", (i,)) for i in range(2)],
+    )
+    first, second = (strategy.node_content(1, p, arrays, ConfigRecord()) for p in (0, 1))
+    name = "model.layers.1.self_attn.v_proj.weight"
+    assert not torch.equal(
+        first["arrays-0"].to_torch_state_dict()[name],
+        second["arrays-0"].to_torch_state_dict()[name],
+    )
+    assert strategy.copy_transforms(1, 1, 0) is strategy.copy_transforms(1, 1, 0)
+    assert strategy.copy_transforms(1, 1, 0) is not strategy.copy_transforms(1, 0, 0)
+    with pytest.raises(ValueError, match="mpu-publish must be one of"):
+        MpuStrategy(
+            merge="sum",
+            model_config=tiny_model.config,
+            secret=b"s",
+            publish="per-node",
+            assignments=[ClientAssignment("forget", "d", (0,))],
+        )

@@ -123,6 +123,7 @@ INF_MEANINGFUL = {"epsilon"}  # FIRM's retention budget: inf = no projection
         ({"gamma": math.nan}, r"'gamma' = nan.*finite number > 0"),
         ({"gamma": "inf"}, r"'gamma' = inf.*finite number > 0"),
         ({"mpu-mode": "loud"}, r"'mpu-mode' = 'loud'.*one of clean, mpu, noised"),
+        ({"mpu-publish": "once"}, r"'mpu-publish' = 'once'.*one of per-client, per-round"),
         ({"dp2u-method": "dp2u-sdg"}, r"'dp2u-method'.*did you mean 'dp2u-sgd'"),
         ({"objective": "npo2"}, r"'objective' = 'npo2'.*did you mean 'npo'"),
         ({"num-rounds": 0}, r"'num-rounds' = 0.*integer >= 1"),
