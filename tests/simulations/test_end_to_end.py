@@ -7,10 +7,11 @@ test session) with 20 authors, 2 of them forgotten, instead of the default 200-a
 """
 
 import json
+from pathlib import Path
 
 import pytest
 
-from simulations import run_local
+from simulations import compact_check, run_local
 from tests.simulations.presets import SMALL_SUBSTRATE
 
 pytestmark = pytest.mark.slow
@@ -178,18 +179,17 @@ def test_compact_streamed_uploads_give_the_dense_runs_merge_at_a_fraction_of_the
 ):
     """The defaults (LoRA factors, top-k Fisher, uploads spooled to disk) merge exactly what
     dense float32 uploads held in memory merge: one forget client, so every client's top-k
-    Fisher (α' ≥ α) is exact, and factors decode bit for bit."""
-    runs = {}
-    for name, options in {
-        "compact": "",
-        "dense": "task-vector-upload='dense' fisher-upload='dense' stream-uploads=false",
-    }.items():
-        path = run_local.run(
-            run_config=f"model-path='{checkpoint}' {SMALL_RUN} num-forget-clients=1 {options}",
-            output_dir=tmp_path / name,
-            flwr_home=tmp_path / "flwr_home",
-        )
-        runs[name] = json.loads(path.read_text())
+    Fisher (α' ≥ α) is exact, and factors decode bit for bit (``simulations.compact_check``
+    runs both forms and compares their saved weights)."""
+    report = compact_check.check(
+        f"model-path='{checkpoint}' {SMALL_RUN} num-forget-clients=1", "", tmp_path, reuse=False
+    )
+    assert report["merged_update"]["error"] == 0.0
+    assert report["merged_update"]["changed_weights"] == 2 * 7
+    assert report["merged_update"]["dense_update_norm"] > 0
+    assert report["bytes_ratio"] > 4
+    assert "| bytes per client (sent) |" in (tmp_path / "compact_check.md").read_text()
+    runs = {name: json.loads(Path(path).read_text()) for name, path in report["results"].items()}
     compact, dense = runs["compact"], runs["dense"]
     assert compact["merge"]["streamed"] and not dense["merge"]["streamed"]
     assert not (tmp_path / "compact" / "uploads-spool").exists()  # removed after the run
