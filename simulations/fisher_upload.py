@@ -14,7 +14,7 @@ dense uploads, so the budget is active) are merged. Reported per form:
 * ``support_change``: Σ|S_c △ S_d| / Σ|S_d| over tensors and forget domains, S the entries
   kept of the pooled F̃_g;
 * ``fisher_bytes_ratio``: Fisher bytes per client / dense float32 (4 bytes per entry); top-k
-  costs 1 bit per entry plus 4 bytes per kept value;
+  costs its deflated mask (under 1 bit per entry) plus 4 bytes per kept value;
 * ``upload_ratio``: dense upload (task vector + Fisher, 8 bytes per entry) / compact upload
   (task vector as rank-r LoRA factors, r·(d_in + d_out) + 1 floats per weight, + the Fisher;
   r is the run's ``lora-rank``, for synthetic inputs the rank their task vectors are drawn at);

@@ -13,8 +13,10 @@ from fedunlearn.upload_codec import (
     DecodedTensors,
     LowRankDelta,
     UploadFormatError,
+    deflate_mask,
     encode_fisher,
     encode_task_vector,
+    inflate_mask,
     pack_mask,
     unpack_mask,
     upload_bytes,
@@ -71,6 +73,40 @@ def test_pack_mask_round_trips_every_length():
         packed = pack_mask(mask)
         assert packed.dtype == torch.uint8 and packed.numel() == math.ceil(n / 8)
         assert torch.equal(unpack_mask(packed, n), mask)
+
+
+def test_the_topk_mask_travels_deflated_at_about_half_a_bit_per_entry():
+    f = {"w": _fisher((256, 192), 5, ties=False)}
+    parts = encode_fisher(f, "topk", 0.1)
+    kept = parts["w::topk_value"].numel()
+    assert kept == math.floor(0.1 * 256 * 192)
+    mask_bits = 8 * parts["w::topk_mask"].numel() / (256 * 192)
+    assert 0.3 < mask_bits < 0.7  # entropy of a 10 % mask: 0.47 bits; packed: 1 bit
+    assert inflate_mask("w", parts["w::topk_mask"], 256 * 192 // 8).numel() == 256 * 192 // 8
+    assert torch.equal(
+        _decoded(parts, {"w": (256, 192)})["w"] > 0,
+        f["w"] >= torch.sort(f["w"].flatten())[0][-kept],
+    )
+
+
+def test_a_crafted_mask_stream_is_refused_before_it_expands():
+    packed = pack_mask(torch.ones(80, dtype=torch.bool))  # 10 bytes
+    good = deflate_mask(packed)
+    assert torch.equal(inflate_mask("w", good, 10), packed)
+    bomb = deflate_mask(torch.zeros(10**6, dtype=torch.uint8))  # 1 MB of zeros in ~1 kB
+    assert bomb.numel() < 2000
+    cases = {
+        "inflates to more than the 10 bytes": bomb,
+        "inflates to 9 bytes, expected 10": deflate_mask(packed[:9]),
+        "not one complete zlib stream": torch.cat([good, good]),
+        "not a zlib stream": torch.tensor([1, 2, 3, 4], dtype=torch.uint8),
+        "expected 1-d uint8": good.to(torch.int16),
+    }
+    for problem, stream in cases.items():
+        with pytest.raises(UploadFormatError, match=rf"'w': top-k mask .*{problem}"):
+            inflate_mask("w", stream, 10)
+    with pytest.raises(UploadFormatError, match="not one complete zlib stream"):
+        inflate_mask("w", good[:-3], 10)
 
 
 def test_bf16_fisher_is_within_bf16_rounding():
@@ -134,8 +170,8 @@ def test_decoding_errors_name_the_weight_and_the_problem():
     bad = dict(parts, **{"w::topk_value": parts["w::topk_value"][:-1]})
     with pytest.raises(UploadFormatError, match=r"'w'.*marks \d+ entries but \d+ values"):
         _decoded(bad, {"w": (10, 10)})["w"]
-    with pytest.raises(UploadFormatError, match=r"'w'.*expected 14 uint8"):
-        _decoded(parts, {"w": (10, 11)})["w"]
+    with pytest.raises(UploadFormatError, match=r"'w'.*inflates to 13 bytes, expected 14"):
+        _decoded(parts, {"w": (10, 11)})["w"]  # 13 mask bytes for 100 entries, 110 expected
     with pytest.raises(UploadFormatError, match="unknown upload part 'zip'"):
         _decoded({"w::zip": torch.zeros(3)}, None)
     with pytest.raises(UploadFormatError, match=r"lacks its part\(s\) \['scaling'\]"):
@@ -150,7 +186,8 @@ def test_decoding_errors_name_the_weight_and_the_problem():
     with pytest.raises(UploadFormatError, match="mixes the upload forms"):
         _decoded({"w": torch.zeros(2), "w::bf16": torch.zeros(2, dtype=torch.int16)}, None)
     with pytest.raises(
-        UploadFormatError, match=r"shape \(4, 4\) but the global weight has shape \(4, 5\) \(decoded from its factors"
+        UploadFormatError,
+        match=r"shape \(4, 4\) but the global weight has shape \(4, 5\) \(decoded from its factors",
     ):
         _decoded(
             {

@@ -7,7 +7,13 @@ from flwr.app import ArrayRecord, Message
 
 from clients.messages import encode_client_reply
 from fedunlearn.scenarios import ClientAssignment
-from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector
+from fedunlearn.upload_codec import (
+    LowRankDelta,
+    deflate_mask,
+    encode_fisher,
+    encode_task_vector,
+    inflate_mask,
+)
 from strategies.merge_strategy import MergeStrategy
 from strategies.upload_spool import UploadSpool
 from tests.strategies.replies import reply_metadata
@@ -122,8 +128,9 @@ def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp
     replies = _replies("factors", "topk")
     # node 13 (retain): a top-k mask one byte short; node 14 (retain): factors of rank 64
     fisher = replies[2].content["fisher"]
-    mask = fisher[f"{DOWN}::topk_mask"].numpy()
-    fisher[f"{DOWN}::topk_mask"] = ArrayRecord({"m": torch.from_numpy(mask[:-1].copy())})["m"]
+    deflated = torch.from_numpy(fisher[f"{DOWN}::topk_mask"].numpy().copy())
+    short = deflate_mask(inflate_mask(DOWN, deflated, 768)[:-1])
+    fisher[f"{DOWN}::topk_mask"] = ArrayRecord({"m": short})["m"]
     tv, _ = _upload(14)
     tv[Q] = LowRankDelta(torch.zeros(64, 64), torch.zeros(64, 64), 1.0)
     replies[3].content["task_vector"] = ArrayRecord(encode_task_vector(tv, "factors"))
@@ -132,6 +139,6 @@ def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp
     assert arrays is not None and metrics["num-updates"] == 2
     excluded = _excluded(strategy)
     assert set(excluded) == {13, 14}
-    assert f"Fisher tensor {DOWN!r} top-k mask has 767 uint8 entries, expected 768" in excluded[13]
+    assert f"Fisher tensor {DOWN!r} top-k mask inflates to 767 bytes, expected 768" in excluded[13]
     assert f"task-vector tensor {Q!r} is uploaded as LoRA factors of rank 64" in excluded[14]
     assert "above the run's lora-rank 16" in excluded[14]
