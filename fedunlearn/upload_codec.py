@@ -141,8 +141,16 @@ def unpack_mask(packed: torch.Tensor, numel: int) -> torch.Tensor:
 
 def deflate_mask(packed: torch.Tensor) -> torch.Tensor:
     """Packed mask bytes (:func:`pack_mask`) compressed with zlib, as a uint8 tensor."""
-    data = zlib.compress(packed.contiguous().numpy().tobytes(), MASK_DEFLATE_LEVEL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return _uint8(zlib.compress(packed.contiguous().numpy().tobytes(), MASK_DEFLATE_LEVEL))
+
+
+def _uint8(data: bytes) -> torch.Tensor:
+    """``data`` as a 1-d uint8 tensor (of its own copy; empty data gives an empty tensor)."""
+    return (
+        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        if data
+        else torch.zeros(0, dtype=torch.uint8)
+    )
 
 
 def inflate_mask(key: str, deflated: torch.Tensor, size: int) -> torch.Tensor:
@@ -166,11 +174,7 @@ def inflate_mask(key: str, deflated: torch.Tensor, size: int) -> torch.Tensor:
         raise UploadFormatError(key, "top-k mask is not one complete zlib stream")
     if len(data) != size:
         raise UploadFormatError(key, f"top-k mask inflates to {len(data)} bytes, expected {size}")
-    return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        if data
-        else torch.zeros(0, dtype=torch.uint8)
-    )
+    return _uint8(data)
 
 
 def encode_fisher(
