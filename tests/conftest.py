@@ -10,6 +10,15 @@ from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.pretrained import pretrained_checkpoint
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
 
+# One compute thread per test process, and for the Flower runs the tests start (they inherit
+# the environment). The suite runs in two pytest workers, and a Flower run adds its own server
+# and client processes: with torch's default of a thread per core in each, OpenMP threads spin
+# against each other on a machine with few cores (a tiny model's TOFU evaluation took 58 s
+# instead of 6.5 s beside one busy process on a 2-core machine).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 @pytest.fixture(scope="session")
 def tiny_data():
