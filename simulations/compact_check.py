@@ -177,13 +177,6 @@ def report_markdown(report: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def with_overrides(run_config: str, overrides: str) -> str:
-    """``run_config`` with the keys of ``overrides`` replaced by theirs."""
-    replaced = {key for key, _ in run_local.config_pairs(overrides)}
-    kept = [f"{k}={v}" for k, v in run_local.config_pairs(run_config) if k not in replaced]
-    return " ".join([*kept, overrides])
-
-
 def run_forms(
     run_config: str, federation_config: str, output_dir: Path, *, reuse: bool
 ) -> dict[str, Path]:
@@ -191,7 +184,9 @@ def run_forms(
     paths = {}
     for form in FORMS:
         folder = output_dir / form
-        config = with_overrides(run_config, DENSE_OVERRIDES) if form == "dense" else run_config
+        config = run_config
+        if form == "dense":
+            config = run_local.with_overrides(run_config, DENSE_OVERRIDES)
         results = folder / "results.json"
         if not (reuse and results.is_file()):
             print(f"compact_check: the {form} run ({folder})", flush=True)

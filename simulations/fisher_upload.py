@@ -473,11 +473,13 @@ def synthetic_input(
 
 
 def real_input(
-    run_config: str, output_dir: Path, *, reuse: bool, redraws: int
+    run_config: str, output_dir: Path, *, reuse: bool, redraws: int, evaluated: bool = True
 ) -> tuple[dict[str, Any], dict[str, float]]:
     """The Flower run's uploads measured with their real Fisher redraws, every merged model
-    evaluated; and ρ per role between the first two redraws."""
-    flower = run_and_load_uploads(f"{RUN_CONFIG} {run_config}".strip(), output_dir, reuse=reuse)
+    evaluated (unless not ``evaluated``); and ρ per role between the first two redraws.
+    ``run_config`` replaces the keys of :data:`RUN_CONFIG` it names."""
+    config = run_local.with_overrides(RUN_CONFIG, run_config) if run_config.strip() else RUN_CONFIG
+    flower = run_and_load_uploads(config, output_dir, reuse=reuse)
     position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
     flower.updates.sort(key=lambda u: position[str(u.node_id)])
     names = point_metrics(flower.run_model)
@@ -492,7 +494,7 @@ def real_input(
         flower.updates,
         gamma=flower.settings.gamma,
         lora_rank=flower.settings.lora_rank,
-        evaluate=evaluate,
+        evaluate=evaluate if evaluated else None,
         redraws=draws,
     )
     before = flower.results["metrics"]["before"]
@@ -585,7 +587,9 @@ def markdown(summary: dict[str, Any]) -> str:
     lines += ["", _by_fraction_table(summary)]
     real = summary["inputs"].get("tofu-run")
     if real is not None:
-        lines += ["", _redraw_note(real), "", _metrics_table(real)]
+        lines += ["", _redraw_note(real)]
+        if all("metrics" in r for r in real["rows"]):
+            lines += ["", _metrics_table(real)]
     lines += ["", *_recommendation_lines(summary["recommendation"])]
     return "\n".join(lines) + "\n"
 
@@ -733,6 +737,7 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
             args.output_dir / "flower-run",
             reuse=args.reuse_run,
             redraws=args.redraws,
+            evaluated=not args.no_evaluate,
         )
     shape = {"tensors": args.tensors, "rows": args.rows, "cols": args.cols, "seed": args.seed}
     for n in SYNTHETIC_PER_DOMAIN:
@@ -748,7 +753,12 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-config", default="", help="added to the study's run config")
+    parser.add_argument(
+        "--run-config", default="", help="replaces or adds keys of the study's run config"
+    )
+    parser.add_argument(
+        "--no-evaluate", action="store_true", help="do not evaluate the real run's merges"
+    )
     parser.add_argument("--output-dir", type=Path, default=None)
     parser.add_argument("--reuse-run", action="store_true", help="reuse an earlier Flower run")
     parser.add_argument("--skip-run", action="store_true", help="synthetic inputs only")

@@ -57,6 +57,13 @@ def config_pairs(text: str) -> list[tuple[str, str]]:
     return pairs
 
 
+def with_overrides(run_config: str, overrides: str) -> str:
+    """``run_config`` with the keys of ``overrides`` replaced by theirs."""
+    replaced = {key for key, _ in config_pairs(overrides)}
+    kept = [f"{k}={v}" for k, v in config_pairs(run_config) if k not in replaced]
+    return " ".join([*kept, overrides])
+
+
 def _refuse_stray_text(text: str) -> None:
     if text.strip():
         raise ValueError(f"config override {text.strip()!r} is not key=value")

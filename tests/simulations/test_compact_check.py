@@ -10,8 +10,8 @@ from simulations.compact_check import (
     merged_update_error,
     report_markdown,
     run_summary,
-    with_overrides,
 )
+from simulations.run_local import with_overrides
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
