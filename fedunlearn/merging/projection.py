@@ -18,15 +18,18 @@ Solvers:
   holding the others, ``λ_k = 0`` if constraint k then holds, else the root of
   ``b_k = epsilon`` in ``λ_k`` (found by a safeguarded Newton iteration, see
   :func:`_coordinate_root`) — so multipliers may DECREASE.  After every sweep one Newton (SQP)
-  step on the dual is tried: the concave quadratic model of ``g`` is maximised exactly over
-  ``λ ≥ 0`` (a small m × m active-set QP, which also decides which multipliers are zero) and the
-  step is kept, after backtracking, only if it raises the dual (or, once the dual is flat to
-  rounding, keeps it and reduces the KKT residual).  This turns the linear — with strongly
-  overlapping retain Fisher masks, crawling — rate of coordinate ascent into a fast local one;
-  the sweeps alone guarantee convergence.  Sweeps stop once no multiplier moves by more than a
-  relative ``1e-10``.  If a tiny violation ``b_k > epsilon`` is left at that point, a final
-  feasibility pass raises only the violated multipliers (raising never violates another
-  constraint).  The result is the unique closest feasible point up to the solver accuracy.
+  step on the dual is tried: a concave quadratic model of ``g`` (its Hessian, with the gradient
+  taken from the linearisation of ``b_k^(-1/2)``, see :func:`_newton_acceleration`) is
+  maximised exactly over ``λ ≥ 0`` (a small m × m active-set QP, which also decides which
+  multipliers are zero) and the step is kept, after backtracking, only if it raises the dual
+  (or, once the dual is flat to rounding, keeps it and reduces the KKT residual).  This turns
+  the linear — with strongly overlapping retain Fisher masks, crawling — rate of coordinate
+  ascent into a fast local one; the sweeps alone guarantee convergence.  Sweeps stop once no
+  multiplier moves by more than a relative ``1e-10``.  If a tiny violation ``b_k > epsilon``
+  is left at that point, a final feasibility pass raises only the violated multipliers
+  (raising never violates another constraint; the damage it checks is computed exactly as in
+  the root solves).  The result is the unique closest feasible point up to the solver
+  accuracy.
 * ``"increase-only"``: the paper's routine.  It sweeps the constraints and raises the
   multiplier of each violated one (bracket by doubling, then bisection until
   ``epsilon − τ ≤ b_k ≤ epsilon``), holding the others fixed, until all hold.  Raising a
@@ -38,13 +41,15 @@ For m = 1 both names coincide mathematically and run the same code (the ``"exact
 root solve, which is the projection).
 
 All solver arithmetic is done in float64 on the coordinates where some ``F̃_k`` is positive and
-``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``); a coordinate step on ``λ_k`` only visits the
-support of ``F̃_k`` (the other coordinates add exact zeros to its sums), and the sums are taken
-slice by slice over the threads, so they round like a sum in another order would.  Both solvers
-end on a point with ``b_k ≤ epsilon`` in float64 (the exact solver aims at
-``epsilon·(1 − 1e-12)`` so that this survives summing in another order); the cast to the output
-dtype rounds toward zero, so it cannot increase any ``|Δ(j)|`` and feasibility survives the
-cast.
+``Δ_base`` is non-zero (elsewhere ``Δ = Δ_base``), gathered once per tensor (and once more per
+constraint onto its own support: a coordinate step on ``λ_k`` only visits the support of
+``F̃_k``, the other coordinates add exact zeros to its sums).  Every pass over these copies —
+damages before and after, root and Newton evaluations (with one division per coordinate,
+``u = 1/den``), the certificate — is taken slice by slice over the threads, so sums round like
+a sum in another order would.  Both solvers end on a point with ``b_k ≤ epsilon`` in float64
+(the exact solver aims at ``epsilon·(1 − 1e-12)`` so that this survives summing in another
+order); the cast to the output dtype rounds toward zero, so it cannot increase any ``|Δ(j)|``
+and feasibility survives the cast.
 
 Every call reports a KKT certificate for the float64 point before the cast: the largest primal
 violation ``max_k (b_k − epsilon)₊``, the largest complementary slackness
@@ -226,49 +231,57 @@ def _increase_only(
 class _Coordinate:
     """Constraint k restricted to its own support (where ``F̃_k > 0``; ``w_k`` is 0 elsewhere).
 
-    ``cols`` holds every ``F̃_l`` there (``m × n_k``), so ``1 + 2 λ·cols`` is the denominator
-    on that support; ``f`` and ``w`` are ``F̃_k`` and ``w_k = F̃_k·Δ_base²``.  Sums of ``w_k``
-    terms over the support equal those over all solver coordinates (the others add exact zeros).
+    ``f`` and ``w`` are ``F̃_k`` and ``w_k = F̃_k·Δ_base²`` there, and ``rest`` holds the other
+    ``F̃_l`` (l ≠ k, ``(m − 1) × n_k``), all gathered once.  Sums of ``w_k`` terms over the
+    support equal those over all solver coordinates (the others add exact zeros).
     """
 
-    cols: torch.Tensor
+    k: int
+    rest: torch.Tensor
     f: torch.Tensor
     w: torch.Tensor
 
     @classmethod
     def of(cls, k: int, fs: torch.Tensor, weights: torch.Tensor) -> _Coordinate:
-        if fs.shape[0] == 1:
-            return cls(fs, fs[0], weights[0])
-        idx = _flat_nonzero(fs[k])
-        cols = fs.new_empty((fs.shape[0], idx.numel()))
-        for row, out in zip(fs, cols, strict=True):
-            torch.index_select(row, 0, idx, out=out)
-        return cls(cols, cols[k], weights[k].index_select(0, idx))
+        if fs.shape[0] == 1:  # the solver coordinates are the support of F̃_1
+            return cls(k, fs[:0], fs[0], weights[0])
+        rest = [row for i, row in enumerate(fs) if i != k]
+        cols = _gather([*rest, fs[k], weights[k]], _flat_nonzero(fs[k]))
+        return cls(k, cols[:-2], cols[-2], cols[-1])
+
+    def other(self, lam: torch.Tensor) -> torch.Tensor:
+        """``1 + 2 Σ_{l≠k} λ_l F̃_l`` on the support (slice by slice, always in the same order)."""
+        coef = [2.0 * float(x) for i, x in enumerate(lam) if i != self.k]
+        out = torch.empty_like(self.f)
+
+        def part(span: slice) -> None:
+            o = out[span].fill_(1.0)
+            for c, row in zip(coef, self.rest, strict=True):
+                o.add_(row[span], alpha=c)
+
+        map_spans(part, out.numel(), out.device)
+        return out
+
+    def phi(self, other: torch.Tensor, x: float, slope: bool = False) -> tuple[float, float]:
+        """``(φ(x), φ'(x))`` with ``φ(x) = Σ w_k/(other + 2x·F̃_k)²`` (``φ' = 0`` unless ``slope``).
+
+        With ``u = 1/(other + 2x·F̃_k)`` (one division per coordinate): ``φ = Σ w_k u²`` and
+        ``φ' = −4 Σ w_k F̃_k u³``, slice by slice (cache-sized temporaries, over the threads).
+        """
+
+        def part(span: slice) -> tuple[float, float]:
+            f, w = self.f[span], self.w[span]
+            u = torch.add(other[span], f, alpha=2.0 * x).reciprocal_()
+            u2 = u * u
+            phi = float(torch.dot(w, u2))
+            return phi, float(torch.dot(w, u2.mul_(u).mul_(f))) if slope else 0.0
+
+        parts = map_spans(part, self.f.numel(), self.f.device)
+        return sum(p[0] for p in parts), -4.0 * sum(p[1] for p in parts)
 
     def damage(self, lam: torch.Tensor) -> float:
-        """``b_k(Δ(λ))`` as the solver computes it (chunked float64 sum)."""
-        return _phi(self.w, self.f, _denominator(lam, self.cols), 0.0)[0]
-
-
-def _phi(
-    wk: torch.Tensor, fk: torch.Tensor, other: torch.Tensor, x: float, slope: bool = False
-) -> tuple[float, float]:
-    """``(φ(x), φ'(x))`` with ``φ(x) = Σ wk/(other + 2x·fk)²`` (``φ' = 0`` unless ``slope``).
-
-    Evaluated slice by slice (cache-sized temporaries, slices spread over the threads).
-    """
-
-    def part(span: slice) -> tuple[float, float]:
-        den = fk[span] * (2.0 * x)
-        den.add_(other[span])
-        q = wk[span] / (den * den)
-        phi = float(q.sum())
-        if not slope:
-            return phi, 0.0
-        return phi, float(q.mul_(fk[span]).div_(den).sum())
-
-    parts = map_spans(part, wk.numel(), wk.device)
-    return sum(p[0] for p in parts), -4.0 * sum(p[1] for p in parts)
+        """``b_k(Δ(λ))`` exactly as the root solve computes it (so feasibility carries over)."""
+        return self.phi(self.other(lam), float(lam[self.k]))[0]
 
 
 def _coordinate_root(
@@ -277,85 +290,80 @@ def _coordinate_root(
     epsilon: float,
     x0: float,
     max_iter: int,
+    floor: float,
 ) -> tuple[float, int]:
-    """Smallest ``x ≥ 0`` (to rounding) with ``φ(x) = Σ_j wk/(other + 2x·fk)² ≤ epsilon``.
+    """Smallest ``x ≥ floor`` (to rounding) with ``φ(x) = Σ_j w_k/(other + 2x·F̃_k)² ≤ epsilon``.
 
-    Requires ``φ(0) > epsilon``.  ``ψ = φ^(-1/2)`` is the (scaled) power mean ``M_-2`` of the
-    affine functions ``other + 2x·fk`` and hence increasing and concave in ``x`` (exactly linear
-    when a single coordinate is involved), so Newton's method on ``ψ(x) = epsilon^(-1/2)``
-    converges from any start: a step from the right of the root lands at or left of it (clamped
-    at 0, where ``φ > epsilon``), and from the left the iterates increase monotonically to the
-    root.  The iteration starts at the warm start ``x0``.  The root is finally nudged up, by
-    doubling steps of relative size ``2^-52``, to the feasible side.  Returns
-    ``(x, evaluations)``.
+    ``ψ = φ^(-1/2)`` is the (scaled) power mean ``M_-2`` of the affine functions
+    ``other + 2x·F̃_k`` and hence increasing and concave in ``x`` (exactly linear when a single
+    coordinate is involved), so Newton's method on ``ψ(x) = epsilon^(-1/2)`` converges from any
+    start ``x0 ≥ floor``: a step from the right of the root lands at or left of it (so its length
+    bounds the distance to the root; clamped at ``floor``), and from the left the iterates
+    increase monotonically to the root.  It stops at a feasible iterate that is ``floor`` or was
+    reached from the left, or whose Newton step is below the relative ``_NEWTON_RTOL``;
+    otherwise (a step below that from the left) the root is nudged up, by doubling steps from
+    that last step, to the feasible side.  Returns ``(x, evaluations)``.
     """
-    wk, fk = coord.w, coord.f
-    x = max(float(x0), 0.0)
+    x = max(float(x0), floor)
     evals = 0
-    been_left = False
+    been_left = feasible = False
+    moved = 0.0
     for _ in range(max_iter):
-        phi, dphi = _phi(wk, fk, other, x, slope=True)
+        phi, dphi = coord.phi(other, x, slope=True)
         evals += 1
-        if phi <= epsilon and been_left:
-            return x, evals  # crossed the root from the left: only rounding is left
-        if phi == epsilon or not dphi < 0.0:
+        feasible = phi <= epsilon
+        if feasible and (been_left or x <= floor):
+            return x, evals
+        if not dphi < 0.0:
             break
-        been_left = phi > epsilon
-        new = max(x + 2.0 * phi * (1.0 - math.sqrt(phi / epsilon)) / dphi, 0.0)
+        been_left = not feasible
+        # 2φ(1 − √(φ/ε))/φ', with 1 − √r written as (1 − r)/(1 + √r) so that steps near the
+        # root keep their precision (ε − φ is exact there).
+        new = x + 2.0 * phi * (epsilon - phi) / (epsilon * (1.0 + math.sqrt(phi / epsilon)) * dphi)
+        new = max(new, floor)
         moved = abs(new - x)
+        if feasible and moved <= _NEWTON_RTOL * x:
+            return x, evals  # from the right the step bounds the distance to the root
         x = new
         if moved <= _NEWTON_RTOL * x:
             break
-    # Nudge to the feasible side (Newton from the left stops just short of the root).
-    step = max(x, 1e-300) * 2.0**-52
-    doublings = 0
-    while True:
+    # Nudge to the feasible side (Newton from the left stops just short of the root, within the
+    # rounding of φ), by doubling steps from the last Newton step (at least 2^-52 relative);
+    # ``x`` itself is skipped if it was just found infeasible.
+    step = max(moved, max(x, 1e-300) * 2.0**-52)
+    stale = moved == 0.0 and not feasible
+    for _ in range(_MAX_DOUBLINGS):
+        if stale:
+            x += step
+            step *= 2.0
+        if not math.isfinite(x):
+            break
         evals += 1
-        if _phi(wk, fk, other, x)[0] <= epsilon:
+        if coord.phi(other, x)[0] <= epsilon:
             return x, evals
-        x += step
-        step *= 2.0
-        doublings += 1
-        if doublings > _MAX_DOUBLINGS or not math.isfinite(x):
-            raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
+        stale = True
+    raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
 
 
 def _coordinate_update(
     lam: torch.Tensor,
-    k: int,
     coord: _Coordinate,
     epsilon: float,
     max_iter: int,
     raise_only: bool,
 ) -> int:
-    """Maximise the dual over ``λ_k`` in place (``raise_only``: only if ``b_k > epsilon``).
+    """Maximise the dual over ``λ_k`` in place (``raise_only``: never below the current ``λ_k``).
 
-    Works on constraint k's own support.  Returns the number of damage evaluations.
+    Exact: ``λ_k = 0`` if constraint k then holds, else the root of ``b_k = epsilon``; raising
+    only: ``λ_k`` is kept if constraint k holds, else raised to that root.  Works on constraint
+    k's own support; afterwards ``coord.damage(lam) ≤ epsilon``.  Returns the number of damage
+    evaluations.
     """
-    den = _denominator(lam, coord.cols)
-    lam_k = float(lam[k])
-    other = den - 2.0 * lam_k * coord.f
-    if raise_only:
-        if _phi(coord.w, coord.f, den, 0.0)[0] <= epsilon:
-            return 1
-        new, evals = _coordinate_root(coord, other, epsilon, lam_k, max_iter)
-        lam[k] = max(new, lam_k)
-        # ``other + 2x·f_k`` and ``1 + 2 λ·F̃`` may round differently: nudge until ``b_k`` as
-        # the caller computes it is within the budget too.
-        step = max(float(lam[k]), 1e-300) * 2.0**-52
-        for _ in range(_MAX_DOUBLINGS):
-            evals += 1
-            if coord.damage(lam) <= epsilon:
-                return evals + 1
-            lam[k] += step
-            step *= 2.0
-        raise RuntimeError("projection: could not bracket the multiplier (damage too flat)")
-    if _phi(coord.w, coord.f, other, 0.0)[0] <= epsilon:
-        lam[k] = 0.0
-        return 1
-    new, evals = _coordinate_root(coord, other, epsilon, lam_k, max_iter)
-    lam[k] = new
-    return evals + 1
+    lam_k = float(lam[coord.k])
+    floor = lam_k if raise_only else 0.0
+    new, evals = _coordinate_root(coord, coord.other(lam), epsilon, lam_k, max_iter, floor)
+    lam[coord.k] = new
+    return evals
 
 
 def _box_qp(q: torch.Tensor, c: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
@@ -404,31 +412,29 @@ def _box_qp(q: torch.Tensor, c: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
 
 
 def _dual_pass(
-    lam: torch.Tensor,
-    base_sq: torch.Tensor,
-    fs: torch.Tensor,
-    weights: torch.Tensor,
-    hessian: bool = False,
+    lam: torch.Tensor, prob: _Restricted, hessian: bool = False
 ) -> tuple[float, torch.Tensor, torch.Tensor | None]:
     """``(½ Σ Δ_base²·s/(1 + s), b, H)`` at ``λ`` in one slice-by-slice pass (float64).
 
-    ``b`` are the damages ``b_k(Δ(λ))`` and ``H`` (with ``hessian``) the dual Hessian
-    ``−4 Σ_j F̃_k F̃_l Δ_base² / den³``, on the CPU.
+    ``b`` are the damages ``b_k(Δ(λ)) = Σ_j w_k u²`` with ``u = 1/(1 + s)``, ``s = 2 λ·F̃``, and
+    ``H`` (with ``hessian``) the dual Hessian ``−4 Σ_j F̃_k F̃_l Δ_base² u³``, on the CPU.
     """
+    lam2 = 2.0 * lam
 
     def part(span: slice) -> tuple[float, torch.Tensor, torch.Tensor | None]:
-        f = fs[:, span]
-        den = _denominator(lam, f)
-        half = 0.5 * float((base_sq[span] * ((den - 1.0) / den)).sum())
-        w = weights[:, span] / (den * den)
-        b = w.sum(dim=1)
-        h = (w.div_(den) @ f.T) if hessian else None
+        f, w = prob.fs[:, span], prob.weights[:, span]
+        s = lam2 @ f
+        u = (s + 1.0).reciprocal_()
+        half = 0.5 * float(torch.dot(s.mul_(prob.base_sq[span]), u))
+        u2 = u * u
+        b = w @ u2
+        h = (w * u2.mul_(u)) @ f.T if hessian else None
         return half, b, h
 
-    parts = map_spans(part, base_sq.numel(), base_sq.device)
-    m = fs.shape[0]
-    b = torch.zeros(m, dtype=torch.float64, device=fs.device)
-    hess = torch.zeros((m, m), dtype=torch.float64, device=fs.device) if hessian else None
+    parts = map_spans(part, prob.idx.numel(), lam.device)
+    m = lam.numel()
+    b = torch.zeros(m, dtype=torch.float64, device=lam.device)
+    hess = torch.zeros((m, m), dtype=torch.float64, device=lam.device) if hessian else None
     for _, pb, ph in parts:
         b.add_(pb)
         if hess is not None:
@@ -437,39 +443,37 @@ def _dual_pass(
     return sum(p[0] for p in parts), b, hess
 
 
-def _newton_acceleration(
-    lam: torch.Tensor,
-    base_sq: torch.Tensor,
-    fs: torch.Tensor,
-    weights: torch.Tensor,
-    epsilon: float,
-) -> int:
+def _newton_acceleration(lam: torch.Tensor, prob: _Restricted, epsilon: float) -> int:
     """Try one Newton (SQP) step on the dual, in place.
 
-    The dual gradient is ``r = b − epsilon`` and its Hessian ``H_kl = ∂b_k/∂λ_l =
+    The dual gradient is ``b − epsilon`` and its Hessian ``H_kl = ∂b_k/∂λ_l =
     −4 Σ_j F̃_k F̃_l Δ_base² / den³`` (m × m, negative semi-definite).  The concave quadratic
     model ``r·d + ½ dᵀHd`` is maximised exactly over ``λ + d ≥ 0`` (:func:`_box_qp`, so the
-    model also chooses which multipliers are zero), then ``λ + t·d`` is tried for
+    model also chooses which multipliers are zero), with ``r_k = 2 b_k (√(b_k/epsilon) − 1)``
+    (``= b_k − epsilon`` to first order): its optimality conditions are then those of the
+    linearisation of ``ψ_k = b_k^(-1/2) ≥ epsilon^(-1/2)``, which is nearly linear in ``λ``
+    (as in :func:`_coordinate_root`) and so gives much longer good steps than the
+    linearisation of ``b_k`` itself.  Then ``λ + t·d`` is tried for
     ``t = 1, ½, …`` (at most ``_MAX_BACKTRACKS`` halvings).  A trial point is kept if it raises
     the dual beyond rounding or — once the dual is flat to rounding — keeps it and reduces the
     KKT residual.  Returns the number of trial points evaluated.
     """
-    half, b, hess = _dual_pass(lam, base_sq, fs, weights, hessian=True)
+    half, b, hess = _dual_pass(lam, prob, hessian=True)
     res0 = _kkt_residual(lam, b, epsilon)
     if res0 == 0.0:
         return 0
     g0 = half - epsilon * float(lam.sum())
-    r = (b - epsilon).cpu()
+    r = (2.0 * b * ((b / epsilon).sqrt() - 1.0)).cpu()
     lam_c = lam.cpu()
     target = _box_qp(-hess, hess @ lam_c - r, lam_c)  # type: ignore[operator]
     step = (target - lam_c).to(lam.device)
     if not bool(torch.isfinite(step).all()) or float(step.abs().max()) == 0.0:
         return 0
-    slack = _DUAL_SLACK * 0.5 * float(base_sq.sum())
+    slack = _DUAL_SLACK * 0.5 * prob.norm_sq
     t = 1.0
     for trial in range(1, _MAX_BACKTRACKS + 1):
         cand = (lam + t * step).clamp(min=0.0)
-        half_c, b_c, _ = _dual_pass(cand, base_sq, fs, weights)
+        half_c, b_c, _ = _dual_pass(cand, prob)
         g_c = half_c - epsilon * float(cand.sum())
         if g_c > g0 + slack or (g_c >= g0 - slack and _kkt_residual(cand, b_c, epsilon) < res0):
             lam.copy_(cand)
@@ -478,25 +482,47 @@ def _newton_acceleration(
     return _MAX_BACKTRACKS
 
 
+def _feasibility_pass(
+    lam: torch.Tensor, coords: list[_Coordinate], epsilon: float, max_iter: int, fresh: int | None
+) -> tuple[int, bool]:
+    """Raise (only) the multipliers of violated constraints, cyclically, in place.
+
+    ``fresh`` is a constraint known to hold at ``lam`` (its coordinate update was the last
+    change).  Stops once every constraint has been seen to hold since the last raise (raising
+    never violates another constraint, so normally after one round).  Returns ``(damage
+    evaluations, some multiplier was raised)``.
+    """
+    m = len(coords)
+    verified = 0 if fresh is None else 1
+    k = 0 if fresh is None else (fresh + 1) % m
+    evals = 0
+    raised = False
+    for _ in range(max_iter * m):
+        if verified >= m:
+            break
+        before = float(lam[k])
+        evals += _coordinate_update(lam, coords[k], epsilon, max_iter, True)
+        verified = 1 if float(lam[k]) != before else verified + 1
+        raised = raised or float(lam[k]) != before
+        k = (k + 1) % m
+    return evals, raised
+
+
 def _exact(
-    base_sq: torch.Tensor,
-    fs: torch.Tensor,
-    weights: torch.Tensor,
-    epsilon: float,
-    max_iter: int,
+    prob: _Restricted, epsilon: float, max_iter: int
 ) -> tuple[torch.Tensor, int, int, bool, bool]:
     """Dual maximisation.  Returns ``(λ, sweeps, iterations, stopped, feasibility_pass)``."""
-    m = fs.shape[0]
-    coords = [_Coordinate.of(k, fs, weights) for k in range(m)]
-    lam = torch.zeros(m, dtype=torch.float64, device=fs.device)
+    m = prob.fs.shape[0]
+    coords = [_Coordinate.of(k, prob.fs, prob.weights) for k in range(m)]
+    lam = torch.zeros(m, dtype=torch.float64, device=prob.fs.device)
     iterations = 0
     sweeps = 0
     stopped = False
     while sweeps < max_iter:
         sweeps += 1
         prev = lam.clone()
-        for k in range(m):
-            iterations += _coordinate_update(lam, k, coords[k], epsilon, max_iter, False)
+        for coord in coords:
+            iterations += _coordinate_update(lam, coord, epsilon, max_iter, False)
         if m == 1:  # one exact coordinate maximisation solves the whole problem
             stopped = True
             break
@@ -504,18 +530,12 @@ def _exact(
         if change <= _LAMBDA_RTOL * float(lam.max()):
             stopped = True
             break
-        iterations += _newton_acceleration(lam, base_sq, fs, weights, epsilon)
-
-    # Feasibility pass: raise (only) the multipliers of constraints that are still violated.
-    feasibility_pass = False
-    for _ in range(max_iter):
-        violated = [k for k in range(m) if coords[k].damage(lam) > epsilon]
-        if not violated:
-            break
-        feasibility_pass = True
-        for k in violated:
-            iterations += _coordinate_update(lam, k, coords[k], epsilon, max_iter, True)
-    return lam, sweeps, iterations, stopped, feasibility_pass
+        iterations += _newton_acceleration(lam, prob, epsilon)
+    # The last coordinate update was the last change unless the sweeps ran out (after a step).
+    evals, feasibility_pass = _feasibility_pass(
+        lam, coords, epsilon, max_iter, m - 1 if stopped else None
+    )
+    return lam, sweeps, iterations + evals, stopped, feasibility_pass
 
 
 # ------------------------------------------------------------------------------- front end
@@ -579,11 +599,8 @@ def project_retention(
                 f"retain Fisher #{k} has shape {tuple(f.shape)}, "
                 f"delta_base has {tuple(delta_base.shape)}"
             )
-        if f.numel():
-            # One pass: NaN propagates into min/max and fails both comparisons.
-            lo, hi = torch.aminmax(f)
-            if not (float(lo) >= 0.0 and float(hi) < math.inf):
-                raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
+        if not _finite_non_negative(f):
+            raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
     return _project_checked(
         delta_base,
         fishers,
@@ -595,73 +612,144 @@ def project_retention(
     )
 
 
-def _flat_nonzero(t: torch.Tensor) -> torch.Tensor:
-    """Ascending positions of the non-zero entries of the flat tensor ``t`` (int64).
+def _finite_non_negative(f: torch.Tensor) -> bool:
+    """Whether every entry of ``f`` is finite and non-negative (one pass, slice by slice)."""
+    flat = f.reshape(-1)
+
+    def part(span: slice) -> bool:
+        lo, hi = torch.aminmax(flat[span])  # NaN propagates into both and fails both tests
+        return float(lo) >= 0.0 and float(hi) < math.inf
+
+    return all(map_spans(part, flat.numel(), flat.device))
+
+
+def _positions(
+    mask: Callable[[slice], torch.Tensor], numel: int, device: torch.device
+) -> torch.Tensor:
+    """Ascending positions ``j < numel`` where the boolean ``mask(span)`` holds (int64).
 
     On the CPU through numpy, slice by slice over the threads (``torch.nonzero`` is several
-    times slower there); elsewhere ``torch.nonzero``.
+    times slower there); elsewhere ``torch.nonzero`` on the whole mask.
     """
-    if t.device.type != "cpu" or t.dtype not in (torch.bool, torch.float32, torch.float64):
-        return torch.nonzero(t).squeeze(1)
-    arr = t.numpy()
+    if device.type != "cpu":
+        return torch.nonzero(mask(slice(0, numel))).squeeze(1)
 
     def part(span: slice) -> np.ndarray:
-        chunk = arr[span]
-        return np.flatnonzero(chunk if chunk.dtype == np.bool_ else chunk != 0) + span.start
+        return np.flatnonzero(mask(span).numpy()) + span.start
 
-    parts = map_spans(part, arr.size, t.device)
+    parts = map_spans(part, numel, device)
     return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
 
 
-class _SparseFisher:
-    """A Fisher diagonal kept as its non-zero entries: flat indices and float64 values."""
-
-    def __init__(self, fisher: torch.Tensor, device: torch.device) -> None:
-        flat = fisher.reshape(-1).to(device)
-        self.idx = _flat_nonzero(flat)
-        self.values = flat.index_select(0, self.idx).to(torch.float64)
-
-    def damage(self, delta_flat: torch.Tensor) -> float:
-        """``Σ_j F̃(j)·Δ(j)²`` over the support (where ``F̃`` is zero nothing is added)."""
-        d = delta_flat.index_select(0, self.idx).to(torch.float64)
-        return float((self.values * d * d).sum())
+def _flat_nonzero(t: torch.Tensor) -> torch.Tensor:
+    """Ascending positions of the non-zero entries of the flat tensor ``t`` (int64)."""
+    return _positions(lambda span: t[span] != 0, t.numel(), t.device)
 
 
-def _solver_support(flat: torch.Tensor, sparse: Sequence[_SparseFisher]) -> torch.Tensor:
-    """Solver coordinates: in the support of some ``F̃_k``, with ``Δ_base(j) ≠ 0`` (ascending)."""
-    if len(sparse) == 1:
-        idx = sparse[0].idx
-        return idx[flat.index_select(0, idx) != 0]
-    in_support = torch.zeros(flat.shape, dtype=torch.bool, device=flat.device)
-    for sf in sparse:
-        in_support[sf.idx] = True
-    in_support &= flat != 0
-    return _flat_nonzero(in_support)
+def _gather(rows: Sequence[torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
+    """``row[idx]`` of every 1-D ``row``, as one float64 matrix (slice by slice over ``idx``)."""
+    out = torch.empty((len(rows), idx.numel()), dtype=torch.float64, device=idx.device)
+
+    def part(span: slice) -> None:
+        pos = idx[span]
+        for row, o in zip(rows, out, strict=True):
+            o[span] = row.index_select(0, pos)
+
+    map_spans(part, idx.numel(), idx.device)
+    return out
+
+
+def _solver_support(flat: torch.Tensor, fishers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Solver coordinates: in the support of some ``F̃_k``, with ``Δ_base(j) ≠ 0`` (ascending).
+
+    One slice-by-slice pass over the flat ``Δ_base`` and ``F̃_k``.
+    """
+
+    def mask(span: slice) -> torch.Tensor:
+        keep = torch.zeros(flat[span].shape, dtype=torch.bool, device=flat.device)
+        for f in fishers:
+            keep.logical_or_(f[span] != 0)
+        return keep.logical_and_(flat[span] != 0)
+
+    return _positions(mask, flat.numel() if fishers else 0, flat.device)
+
+
+@dataclass
+class _Restricted:
+    """The problem on the solver coordinates ``idx``, gathered once and in float64.
+
+    ``base`` is ``Δ_base`` there, ``fs`` the ``F̃_k`` (``m × n_s``), ``weights`` the
+    ``w_k = F̃_k·Δ_base²``; ``damage`` holds ``b_k(Δ_base) = Σ_j w_k(j)`` and ``norm_sq``
+    ``‖Δ_base‖²`` (both summed slice by slice).
+    """
+
+    idx: torch.Tensor
+    base: torch.Tensor
+    base_sq: torch.Tensor
+    fs: torch.Tensor
+    weights: torch.Tensor
+    damage: list[float]
+    norm_sq: float
+
+    @classmethod
+    def of(cls, flat: torch.Tensor, fishers: Sequence[torch.Tensor]) -> _Restricted:
+        flat_f = [f.reshape(-1).to(flat.device) for f in fishers]
+        idx = _solver_support(flat, flat_f)
+        cols = _gather([flat, *flat_f], idx)
+        base, fs = cols[0], cols[1:]
+        base_sq, weights = torch.empty_like(base), torch.empty_like(fs)
+
+        def part(span: slice) -> tuple[torch.Tensor, float]:
+            sq = torch.mul(base[span], base[span], out=base_sq[span])
+            w = torch.mul(fs[:, span], sq, out=weights[:, span])
+            return w.sum(dim=1), float(sq.sum())
+
+        parts = map_spans(part, idx.numel(), idx.device)
+        damage = sum((p[0] for p in parts), fs.new_zeros(len(fishers)))
+        norm_sq = sum(p[1] for p in parts)
+        return cls(idx, base, base_sq, fs, weights, [float(x) for x in damage], norm_sq)
+
+    def damages(self, values: torch.Tensor) -> list[float]:
+        """``b_k = Σ_j F̃_k(j)·v(j)²`` of values ``v`` on the solver coordinates, for every k.
+
+        Off them ``F̃_k = 0`` or the value is (a cast of) ``Δ_base = 0``, which adds nothing.
+        """
+
+        def part(span: slice) -> torch.Tensor:
+            v = values[span].to(torch.float64)
+            return self.fs[:, span] @ (v * v)
+
+        parts = map_spans(part, values.numel(), values.device)
+        return [float(x) for x in sum(parts, self.fs.new_zeros(self.fs.shape[0]))]
 
 
 def _certificate(
-    lam: torch.Tensor, base_s: torch.Tensor, fs: torch.Tensor, epsilon: float
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """``(Δ*, b, duality gap)`` on the solver coordinates, in one slice-by-slice pass."""
-    proj = torch.empty_like(base_s)
+    lam: torch.Tensor, prob: _Restricted, epsilon: float, out: torch.Tensor
+) -> tuple[torch.Tensor, list[float], float]:
+    """Write ``Δ*`` into the flat ``out`` at the solver coordinates, cast toward zero.
 
-    def part(span: slice) -> tuple[torch.Tensor, float, float]:
-        f, base = fs[:, span], base_s[span]
+    Returns ``(b, b after the cast, duality gap)``, ``b`` and the gap those of the float64
+    point ``Δ*`` before the cast, all in one slice-by-slice pass.
+    """
+
+    def part(span: slice) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+        f, base = prob.fs[:, span], prob.base[span]
         den = _denominator(lam, f)
         p = base / den
-        proj[span] = p
-        b = (f * (p * p)).sum(dim=1)
+        cast = cast_toward_zero(p, out.dtype)
+        out.index_copy_(0, prob.idx[span], cast)
+        c = cast.to(torch.float64)
         primal = 0.5 * float(((p - base) ** 2).sum())
         half = 0.5 * float((base * base * ((den - 1.0) / den)).sum())
-        return b, primal, half
+        return f @ (p * p), f @ (c * c), primal, half
 
-    parts = map_spans(part, base_s.numel(), base_s.device)
-    b = torch.zeros(fs.shape[0], dtype=torch.float64, device=fs.device)
-    for pb, _, _ in parts:
-        b.add_(pb)
-    primal = sum(p[1] for p in parts)
-    dual = sum(p[2] for p in parts) - epsilon * float(lam.sum())
-    return proj, b, primal - dual
+    parts = map_spans(part, prob.idx.numel(), prob.idx.device)
+    zero = prob.fs.new_zeros(prob.fs.shape[0])
+    b = sum((p[0] for p in parts), zero)
+    after = sum((p[1] for p in parts), zero)
+    primal = sum(p[2] for p in parts)
+    dual = sum(p[3] for p in parts) - epsilon * float(lam.sum())
+    return b, [float(x) for x in after], primal - dual
 
 
 def _cast_flat(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -687,13 +775,13 @@ def _project_checked(
 ) -> tuple[torch.Tensor, dict]:
     """:func:`project_retention` on validated arguments (``out_dtype`` resolved).
 
-    Damages are summed over the support of each ``F̃_k`` only (they are zero elsewhere).
+    Damages are summed over the solver coordinates only (they are zero elsewhere).
     """
     m = len(fishers)
     tau = max(1e-4 * epsilon, 1e-12) if tol is None else float(tol)
     flat = delta_base.reshape(-1)
-    sparse = [_SparseFisher(f, flat.device) for f in fishers]
-    damage_before = [sf.damage(flat) for sf in sparse]
+    prob = _Restricted.of(flat, fishers)
+    damage_before = prob.damage
     lam = [0.0] * m
     iterations = 0
     sweeps = 0
@@ -716,38 +804,28 @@ def _project_checked(
         if out_dtype == delta_base.dtype:
             damage_after = list(damage_before)  # the cast changed nothing
         else:
-            damage_after = [sf.damage(result.reshape(-1)) for sf in sparse]
+            damage_after = prob.damages(result.reshape(-1).index_select(0, prob.idx))
     else:
-        idx = _solver_support(flat, sparse)
-        base_s = flat.index_select(0, idx).to(torch.float64)
-        fs = base_s.new_empty((m, idx.numel()))  # (m, n_s)
-        for f, row in zip(fishers, fs, strict=True):
-            row.copy_(f.reshape(-1).to(flat.device).index_select(0, idx))
-        base_sq = base_s * base_s
-        weights = fs * base_sq  # F̃_k(j)·Δ_base(j)²
-
         if solver == "exact" or m == 1:
             lam_t, sweeps, iterations, stopped, feasibility_pass = _exact(
-                base_sq, fs, weights, epsilon * (1.0 - _SAFETY), max_iter
+                prob, epsilon * (1.0 - _SAFETY), max_iter
             )
         else:
-            lam_t, sweeps, iterations, stopped = _increase_only(fs, weights, epsilon, tau, max_iter)
+            lam_t, sweeps, iterations, stopped = _increase_only(
+                prob.fs, prob.weights, epsilon, tau, max_iter
+            )
         lam = [float(x) for x in lam_t]
-        del weights, base_sq
-        # KKT certificate of the float64 point (before the cast).
-        proj_s, b, gap = _certificate(lam_t, base_s, fs, epsilon)
+        # Off the solver coordinates Δ* = Δ_base: cast it straight from its own dtype (the same
+        # value, so the same rounding as from float64); the certificate pass writes the rest.
+        out = _cast_flat(flat, out_dtype)  # a new tensor: never writes into the caller's
+        # KKT certificate of the float64 point (before the cast), and the damage after it.
+        b, damage_after, gap = _certificate(lam_t, prob, epsilon, out)
         viol = b - epsilon
         primal_violation = float(viol.clamp(min=0.0).max())
         slackness = float((lam_t * viol).abs().max())
         converged = bool(stopped)
         if solver == "exact" or m == 1:
             converged = converged and _kkt_residual(lam_t, b, epsilon) <= tau
-
-        # Off the solver support Δ* = Δ_base: cast it straight from its own dtype (the same
-        # value, so the same rounding as from float64), then write the projected entries.
-        out = _cast_flat(flat, out_dtype)  # a new tensor: never writes into the caller's
-        out.index_copy_(0, idx, cast_toward_zero(proj_s, out_dtype))
-        damage_after = [sf.damage(out) for sf in sparse]
         result = out.reshape(delta_base.shape)
 
     max_violation = 0.0
