@@ -17,6 +17,7 @@ from simulations.fisher_upload import (
     budget,
     factor_bytes,
     fisher_forms,
+    markdown,
     perturbed,
     recommend,
     redraw_batches,
@@ -211,3 +212,35 @@ def test_the_recommendation_bound_is_the_smallest_median_resampling_error(result
     assert rec["fixed"]["bound"] == 0.01 and rec["fixed"]["fraction"] == 1.0  # the 1 % rule
     without = {k: {kk: v for kk, v in r.items() if kk != "resampling"} for k, r in inputs.items()}
     assert resampling_bound(without) is None and recommend(without, 0.01)["resampling_all"] is None
+
+
+def test_report_of_an_unevaluated_run_has_no_metrics_table(results):
+    """``--no-evaluate``: the run's rows carry no metrics, so the report leaves out the metrics
+    table (and says what the redraws were); an evaluated run's report has it."""
+    run = {
+        **results[2],
+        "fisher_batches": 2,
+        "fisher_reproduction_max_rel_diff": 0.0,
+        "shard_sizes": [{"role": "forget", "examples": 8}, {"role": "retain", "examples": 40}],
+        "fisher_spread": SPREAD,
+    }
+    inputs = {"tofu-run": run, "synthetic 4/domain": results[4]}
+    summary = {"inputs": inputs, "recommendation": recommend(inputs, 0.01)}
+    text = markdown(summary)
+    assert "Real redraws: F̂ recomputed at θ₀ from N = 2 batches" in text
+    assert "| model |" not in text
+    names = ["forget_rouge_l"]
+    metrics = {"base": {"forget_rouge_l": 0.5}, "projected": {"forget_rouge_l": 0.4}}
+    evaluated = {
+        **run,
+        "rows": [{**r, "metrics": metrics} for r in run["rows"]],
+        "resampling": {
+            k: {**v, "draws": [{**d, "metrics": metrics} for d in v["draws"]]}
+            for k, v in run["resampling"].items()
+        },
+        "before": dict.fromkeys(names, 0.9),
+        "reference": dict.fromkeys(names, 0.2),
+    }
+    inputs["tofu-run"] = evaluated
+    text = markdown({"inputs": inputs, "recommendation": recommend(inputs, 0.01)})
+    assert "| model | forget_rouge_l |" in text and "| before | 0.900 |" in text
