@@ -478,7 +478,7 @@ def real_input(
     """The Flower run's uploads measured with their real Fisher redraws, every merged model
     evaluated (unless not ``evaluated``); and ρ per role between the first two redraws.
     ``run_config`` replaces the keys of :data:`RUN_CONFIG` it names."""
-    config = run_local.with_overrides(RUN_CONFIG, run_config) if run_config.strip() else RUN_CONFIG
+    config = run_local.with_overrides(RUN_CONFIG, run_config)
     flower = run_and_load_uploads(config, output_dir, reuse=reuse)
     position = {str(a["node_id"]): i for i, a in enumerate(flower.results["assignments"])}
     flower.updates.sort(key=lambda u: position[str(u.node_id)])

@@ -61,7 +61,7 @@ def with_overrides(run_config: str, overrides: str) -> str:
     """``run_config`` with the keys of ``overrides`` replaced by theirs."""
     replaced = {key for key, _ in config_pairs(overrides)}
     kept = [f"{k}={v}" for k, v in config_pairs(run_config) if k not in replaced]
-    return " ".join([*kept, overrides])
+    return " ".join([*kept, overrides]).strip()
 
 
 def _refuse_stray_text(text: str) -> None:

@@ -47,7 +47,7 @@ class Runs:
         self.logs: dict[int, Path] = {}
 
     def start(self, run_config: str, output_dir: Path) -> subprocess.Popen:
-        env = {**os.environ, MARKER: self.marker, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, MARKER: self.marker}  # one thread: tests/conftest.py
         command = [sys.executable, "-m", "simulations.run_local", "--run-config", run_config]
         log = output_dir.with_name(f"{output_dir.name}-{len(self.logs)}.log")
         with open(log, "wb") as handle:
