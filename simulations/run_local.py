@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from simulations.app_bundle import stage_app
 from strategies.settings import RunSettings
 from strategies.settings_rules import RunConfigError
 
@@ -37,6 +38,9 @@ BIN_DIR = Path(sys.executable).parent
 # exactly what Flower reads.
 CONFIG_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
 FOLDER_KEYS = ("output-dir", "cache-dir")  # run-config keys that act like the runner's options
+#: Federation-config pairs applied to every run before ``--federation-config`` (the test suite
+#: sets ``init-args-num-cpus=1``: one client process per run instead of one per core)
+FEDERATION_ENV = "FEDUNLEARN_FEDERATION_CONFIG"
 
 
 def config_pairs(text: str) -> list[tuple[str, str]]:
@@ -297,17 +301,24 @@ def _quoted(path: Path) -> str:
 
 
 def federation_overrides(num_clients: int, federation_config: str) -> str:
-    """``--federation-config``: one SuperNode per client and one CPU each, unless
-    ``federation_config`` says otherwise; its keys are checked with Flower's own parser."""
+    """``--federation-config``: one SuperNode per client and one CPU each, then the pairs of
+    ``$FEDUNLEARN_FEDERATION_CONFIG`` (defaults for every run of this environment), then
+    ``federation_config``; the keys are checked with Flower's own parser."""
     from flwr.supercore.utils import simulation_config_from_json
 
     values = {"num-supernodes": str(num_clients), "client-resources-num-cpus": "1"}
+    values.update(config_pairs(os.environ.get(FEDERATION_ENV, "")))
     values.update(config_pairs(federation_config))
     parsed = parse_config_pairs(" ".join(f"{k}={v}" for k, v in values.items()))
     try:
         simulation_config_from_json({k.replace("-", "_"): v for k, v in parsed.items()})
     except (ValueError, TypeError) as err:
-        raise ValueError(f"--federation-config {federation_config!r}: {err}") from None
+        given = os.environ.get(FEDERATION_ENV, "")
+        raise ValueError(
+            f"--federation-config {federation_config!r}"
+            + (f" (after ${FEDERATION_ENV}={given!r})" if given else "")
+            + f": {err}"
+        ) from None
     return " ".join(f"{k}={v}" for k, v in values.items())
 
 
@@ -342,7 +353,7 @@ def run(
         command = [
             str(BIN_DIR / "flwr"),
             "run",
-            str(REPO_ROOT),
+            str(stage_app(REPO_ROOT, flwr_home / "app")),
             "fedunlearn-sim",
             "--stream",
             "--run-config",

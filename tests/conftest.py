@@ -18,6 +18,10 @@ from fedunlearn.models.tokenizer import train_bpe_tokenizer
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+# One client process per Flower run (Ray sized to one CPU): every Ray actor imports torch,
+# transformers and peft (~10 s of CPU) before it trains; a test's clients train for a second
+# or two, so a second actor only adds its start-up to the two busy cores.
+os.environ.setdefault("FEDUNLEARN_FEDERATION_CONFIG", "init-args-num-cpus=1")
 
 #: The files that take longest, longest first (minutes of one worker, measured on a 2-core CPU
 #: with both workers busy). pytest-xdist hands whole files to the workers in collection order

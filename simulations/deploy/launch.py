@@ -47,6 +47,7 @@ from types import TracebackType
 from typing import Any
 
 from fedunlearn.mpu.keys import DEFAULT_SECRET_ENV_VAR
+from simulations.app_bundle import stage_app
 from simulations.deploy.certificates import (
     DEFAULT_HOSTS,
     DEFAULT_IPS,
@@ -458,7 +459,8 @@ class LocalDeployment:
         # the folders once, then the user's keys (a key twice is "invalid format" in Flower)
         overrides = plan_run(run_config, "", output_dir, self.cache_dir).flower_run_config
         command = [
-            str(BIN_DIR / "flwr"), "run", str(REPO_ROOT), CONNECTION, "--stream",
+            str(BIN_DIR / "flwr"), "run", str(stage_app(REPO_ROOT, self.workdir / "app")),
+            CONNECTION, "--stream",
             "--run-config", overrides,
         ]  # fmt: skip
         process = subprocess.Popen(

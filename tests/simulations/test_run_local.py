@@ -46,7 +46,8 @@ def test_a_folder_named_twice_differently_is_refused(tmp_path):
     assert same.cache_dir == tmp_path / "c"
 
 
-def test_federation_config_overrides_the_runner_defaults():
+def test_federation_config_overrides_the_runner_defaults(monkeypatch):
+    monkeypatch.delenv(run_local.FEDERATION_ENV, raising=False)
     plan = run_local.plan_run("num-retain-clients=2", "client-resources-num-cpus=2 verbose=true")
     assert parse_config_args([plan.flower_federation_config]) == {
         "num-supernodes": 7,  # 5 forget clients (tofu) + 2 retain clients
@@ -55,6 +56,19 @@ def test_federation_config_overrides_the_runner_defaults():
     }
     with pytest.raises(ValueError, match="Unknown simulation config field.*num_supernode"):
         run_local.plan_run("", "num-supernode=3")
+
+
+def test_federation_defaults_from_the_environment_come_before_the_option(monkeypatch):
+    monkeypatch.setenv(run_local.FEDERATION_ENV, "init-args-num-cpus=1 client-resources-num-cpus=3")
+    plan = run_local.plan_run("num-retain-clients=2", "client-resources-num-cpus=2")
+    assert parse_config_args([plan.flower_federation_config]) == {
+        "num-supernodes": 7,
+        "client-resources-num-cpus": 2,  # the option wins over the environment
+        "init-args-num-cpus": 1,
+    }
+    monkeypatch.setenv(run_local.FEDERATION_ENV, "init-arg-num-cpus=1")
+    with pytest.raises(ValueError, match="FEDUNLEARN_FEDERATION_CONFIG.*init_arg_num_cpus"):
+        run_local.plan_run("", "")
 
 
 @pytest.mark.parametrize(
