@@ -78,6 +78,7 @@ class RunSettings:
     substrate_intermediate_size: int = 512
     substrate_pretrain_epochs: int = 2
     substrate_finetune_epochs: int = 16
+    substrate_finetune_lr: float = 2e-3
     substrate_background_documents: int = 1500
     # a pretrained model (model != builtin): its fine-tuning on the scenario's data
     tofu_subset_authors: int = 0  # real TOFU files: authors in play; 0 = all on CUDA, 4 on CPU
@@ -347,6 +348,7 @@ class RunSettings:
             intermediate_size=self.substrate_intermediate_size,
             pretrain_epochs=self.substrate_pretrain_epochs,
             finetune_epochs=self.substrate_finetune_epochs,
+            finetune_lr=self.substrate_finetune_lr,
             background_documents=self.substrate_background_documents,
         )
 

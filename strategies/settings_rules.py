@@ -188,6 +188,7 @@ RULES: dict[str, Rule] = {
     "substrate_intermediate_size": POSITIVE_INT,
     "substrate_pretrain_epochs": COUNT,
     "substrate_finetune_epochs": COUNT,
+    "substrate_finetune_lr": POSITIVE,
     "substrate_background_documents": COUNT,
     # a pretrained model fine-tuned on the scenario's data
     "tofu_subset_authors": Number(low=2, special=((0.0, "auto"),)),

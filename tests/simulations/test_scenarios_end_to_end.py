@@ -1,8 +1,6 @@
 """End to end: the wmdp and muse scenarios as real Flower simulations.
 
-Each builds (or reuses) the small test substrate preset of its scenario (muse with 32
-knowledge fine-tuning epochs: with the default 16 the small model learns the books too
-weakly, KnowMem forget 0.61), runs the scenario's clients on Ray, merges with FIRM and checks
+Each builds (or reuses) the small test substrate preset of its scenario, runs the scenario's clients on Ray, merges with FIRM and checks
 from ``results.json`` that the forget knowledge went down while utility stayed within a bound.
 Thresholds come from measured runs (numbers in the comments) with head-room for float
 differences between machines.
@@ -18,11 +16,19 @@ from tests.simulations.presets import SMALL_SUBSTRATE
 pytestmark = pytest.mark.slow
 
 
-# wmdp on the small substrate preset: FIRM γ = 8 (the default γ = 4 is tuned for the default
-# 4-layer substrate and barely moves this 2-layer one: forget accuracy 1.00 → 0.90)
-SMALL_WMDP = f"scenario='wmdp' {SMALL_SUBSTRATE} gamma=8.0"
-# muse on the small preset, fine-tuned twice as long so that it knows the books; FIRM γ = 4
-SMALL_MUSE = f"scenario='muse' {SMALL_SUBSTRATE} substrate-finetune-epochs=32 gamma=4.0"
+# Both substrates are fine-tuned at twice the default learning rate (4e-3), which lets them
+# learn their scenario in fewer epochs than the default recipe (the two builds and references
+# took 8 minutes of one CPU core at 16 and 32 epochs, 2e-3; now 4 minutes).
+# wmdp: 10 epochs (8 reach a forget accuracy of only 0.90); FIRM with the scenario's γ = 4
+# (γ = 8 took the general accuracy from 0.98 to 0.55)
+SMALL_WMDP = (
+    f"scenario='wmdp' {SMALL_SUBSTRATE} substrate-finetune-epochs=10 substrate-finetune-lr=4e-3"
+)
+# muse: 16 epochs; FIRM γ = 3 (γ = 4 took KnowMem retain from 0.87 to 0.60, at the bound)
+SMALL_MUSE = (
+    f"scenario='muse' {SMALL_SUBSTRATE} substrate-finetune-epochs=16 substrate-finetune-lr=4e-3 "
+    "gamma=3.0"
+)
 
 
 def _run(tmp_path_factory, run_config: str, name: str, cache_dir) -> dict:
@@ -47,8 +53,8 @@ def wmdp(tmp_path_factory, substrate_cache):
 
 
 def test_muse_clients_and_forgetting(muse):
-    # measured on SMALL_MUSE (γ = 4): KnowMem forget 1.00 → 0.58 (retrained reference 0.18),
-    # VerbMem 0.92 → 0.56, KnowMem retain 1.00 → 0.79; PrivLeak AUC stays 1.0 (reference 0.54)
+    # measured on SMALL_MUSE (γ = 3): KnowMem forget 0.92 → 0.59 (retrained reference 0.22),
+    # VerbMem 0.59 → 0.54, KnowMem retain 0.87 → 0.67; PrivLeak AUC stays 1.0 (reference 0.55)
     clients = muse["clients"]
     assert sorted(c["role"] for c in clients) == ["forget"] * 3 + ["retain"]
     assert all("excluded" not in c for c in clients)
@@ -62,9 +68,9 @@ def test_muse_clients_and_forgetting(muse):
 
 
 def test_wmdp_rmu_pushes_hazard_accuracy_toward_chance(wmdp):
-    # measured on SMALL_WMDP (FIRM γ = 8, RMU at layer 1, LoRA on down_proj of layers 0-1):
-    # forget accuracy 1.00 → 0.54 (bio 0.52, cyber 0.57; retrained reference 0.28),
-    # chem (not forgotten) 1.00 → 0.77, general 1.00 → 0.79
+    # measured on SMALL_WMDP (FIRM γ = 4, RMU at layer 1, LoRA on down_proj of layers 0-1):
+    # forget accuracy 1.00 → 0.56 (bio 0.51, cyber 0.61; retrained reference 0.26),
+    # chem (not forgotten) 1.00 → 0.91, general 0.98 → 0.93
     clients = wmdp["clients"]
     forget = [c for c in clients if c["role"] == "forget"]
     assert sorted(c["domain"] for c in forget) == ["bio"] * 3 + ["cyber"] * 3
