@@ -1,7 +1,8 @@
 """End to end: the wmdp and muse scenarios as real Flower simulations.
 
-Each builds (or reuses) the small test substrate preset of its scenario, runs the scenario's clients on Ray, merges with FIRM and checks
-from ``results.json`` that the forget knowledge went down while utility stayed within a bound.
+Each builds (or reuses) the small test substrate preset of its scenario, runs the scenario's
+clients on Ray, merges with FIRM and checks from ``results.json`` that the forget knowledge
+went down while utility stayed within a bound.
 Thresholds come from measured runs (numbers in the comments) with head-room for float
 differences between machines.
 """
