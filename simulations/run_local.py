@@ -411,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
     from strategies.results import format_summary_table, summary_names
 
     scenario = get_scenario(data["config"]["scenario"])
-    print(format_summary_table(data["metrics"], summary_names(data["metrics"], scenario)))
+    if data["metrics"]:
+        print(format_summary_table(data["metrics"], summary_names(data["metrics"], scenario)))
+    else:
+        print("no metrics (evaluate=false)")
     print(f"\nresults: {results}")
     return 0
 

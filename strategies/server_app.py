@@ -107,12 +107,15 @@ def main(grid: Grid, context: Context) -> None:
 
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
-    if reference is not None:
+    if reference is not None and settings.evaluate:
         metrics["reference"] = _baseline_evaluation("reference", reference, run_model, settings)
     reference_metrics = metrics.get("reference")
-    metrics["before"] = _baseline_evaluation(
-        "original", model, run_model, settings, reference_metrics
-    )
+    if settings.evaluate:
+        metrics["before"] = _baseline_evaluation(
+            "original", model, run_model, settings, reference_metrics
+        )
+    else:
+        log(INFO, "evaluate=false: the model is not evaluated before or after")
     phases["evaluation_before"] = time.perf_counter() - t0
 
     assignments = scenario.assignments()
@@ -186,9 +189,10 @@ def main(grid: Grid, context: Context) -> None:
         else None
     )
     t0 = time.perf_counter()
-    metrics["after"] = evaluate_model(
-        "unlearned", unlearned, run_model, settings, reference_metrics
-    )
+    if settings.evaluate:
+        metrics["after"] = evaluate_model(
+            "unlearned", unlearned, run_model, settings, reference_metrics
+        )
     phases["evaluation_after"] = time.perf_counter() - t0
     phases["total"] = time.perf_counter() - run_started
 
@@ -276,6 +280,9 @@ def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(json_safe(results), indent=2))
     tmp.replace(path)
+    if not metrics:
+        log(INFO, "results written to %s (no metrics: evaluate=false)", path)
+        return
     for line in format_summary_table(metrics, summary_names(metrics, scenario)).splitlines():
         log(INFO, "%s", line)
     for line in scenario.sample_lines(metrics["before"], metrics["after"]):

@@ -169,6 +169,7 @@ class RunSettings:
     eval_batch_size: int = 64
     output_dir: str = ""
     save_uploads: bool = False
+    evaluate: bool = True  # false: no benchmark evaluation before / after (no metrics)
     resume: bool = True  # continue from <output-dir>/checkpoint (same config); false = afresh
     round_timeout: float = 3600.0
     node_wait_timeout: float = 120.0
@@ -234,6 +235,11 @@ class RunSettings:
         check_secret_keys(self.mpu_secret, self.mpu_secret_file)
         if self.strategy == "dp2u":
             self._validate_dp2u()
+            if not self.evaluate:
+                raise RunConfigError(
+                    "evaluate=false does not apply to strategy='dp2u': its stages are compared "
+                    "by their evaluations"
+                )
         elif self.dp2u_forget_request:
             raise RunConfigError(
                 "dp2u-forget-request needs strategy='dp2u' (the other strategies forget the "

@@ -97,10 +97,10 @@ def sum_sq(x: torch.Tensor) -> float:
     return float(torch.dot(x64, x64))
 
 
-def weighted_sum_sq(weights64: torch.Tensor, x: torch.Tensor) -> float:
-    """``Σ w·x²`` in float64 (``weights64`` already float64)."""
+def squares64(x: torch.Tensor) -> torch.Tensor:
+    """``x²`` in float64 (exact for float32 and narrower ``x``), for several weighted sums."""
     x64 = x.to(torch.float64)
-    return float(torch.dot(weights64, x64 * x64))
+    return x64.mul_(x64)
 
 
 def nonzeros(x: torch.Tensor) -> int:

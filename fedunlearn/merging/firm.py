@@ -18,12 +18,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
-from ._chunks import below, keep_at_least, map_spans, nonzeros, sum_sq, weighted_sum_sq
+from ._chunks import below, keep_at_least, map_spans, nonzeros, squares64, sum_sq
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .projection import DEFAULT_SOLVER, _project_checked, check_solver
-from .selection import kth_largest
+from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
 # Solver summary and KKT certificate copied from project_retention's report, per tensor.
 _PROJECTION_KEYS: tuple[str, ...] = (
@@ -147,6 +148,35 @@ def _group(
     return domains, retain
 
 
+def _pooled_sparsifier(
+    fishers: Sequence[torch.Tensor], device: torch.device, alpha: float, eps0: float
+) -> _SparsifiedFisher:
+    """``F̃_g`` of a domain's pooled Fisher ``F̄_g``, pooled, maxed and counted in one pass.
+
+    The same scale and threshold as ``_sparsifier(_pooled(fishers))``: the pooled values at
+    the selector's sample positions are computed first (the same float32 arithmetic), then
+    every slice of ``F̄_g`` is counted for the threshold while it is still in the cache.
+    """
+    flats = [f.reshape(-1) for f in fishers]
+    d = flats[0].numel()
+    k = support_size(d, alpha) if d else 0
+    if len(flats) == 1 or device.type != "cpu" or d <= SMALL or k >= d:
+        return _sparsifier(_pooled(fishers, device), alpha, eps0)
+    positions = sample_positions(d)
+    sample = torch.empty(len(range(d)[positions]), dtype=torch.float32)
+    selector = StreamedKthLargest(_mean_into(sample, [f[positions] for f in flats]), k, d)
+    out = torch.empty(d, dtype=torch.float32, device=device)
+
+    def work(span: slice) -> tuple[torch.Tensor, tuple[int, np.ndarray]]:
+        chunk = _mean_into(out[span], [f[span] for f in flats])
+        return chunk.max(), selector.count(chunk)
+
+    parts = map_spans(work, d, device)
+    scale = torch.stack([m for m, _ in parts]).max() + eps0
+    threshold = selector.result(out, [c for _, c in parts]) / scale
+    return _SparsifiedFisher(out, scale, below(threshold))
+
+
 def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
     """``F̄_g``: the flat mean of a domain's raw Fishers in float32 (a lone Fisher as it is)."""
     flats = [f.reshape(-1) for f in fishers]
@@ -233,8 +263,8 @@ def _tensor_inputs(
     flat_tv = [t.reshape(-1) for t in tvs]
     forget = []
     for members in domains:
-        pooled = _pooled([fishers[i] for i in members], device)
-        forget.append((_sparsifier(pooled, alpha, eps0), [flat_tv[i] for i in members]))
+        pooled = _pooled_sparsifier([fishers[i] for i in members], device, alpha, eps0)
+        forget.append((pooled, [flat_tv[i] for i in members]))
     kept = [
         (_sparsifier(fishers[i].reshape(-1).to(device), alpha, eps0), flat_tv[i]) for i in retain
     ]
@@ -297,10 +327,14 @@ def _merge_tensor(
         final = out[span]
         part.nonzero = nonzeros(final)
         part.final_sq = sum_sq(final) if narrowing else part.base_sq
+        if not fts:
+            return part
+        base_sq = squares64(base)  # shared by every retain client's damage
+        final_sq = squares64(final) if narrowing else base_sq
         for k, ft in enumerate(fts):
             ft64 = ft.to(torch.float64)
-            part.damage_before[k] = weighted_sum_sq(ft64, base)
-            after = weighted_sum_sq(ft64, final) if narrowing else part.damage_before[k]
+            part.damage_before[k] = float(torch.dot(ft64, base_sq))
+            after = float(torch.dot(ft64, final_sq)) if narrowing else part.damage_before[k]
             part.damage_after[k] = after
         return part
 

@@ -32,7 +32,7 @@ import torch
 #: Entries sampled to place the bracket.
 _SAMPLE = 1 << 16
 #: Tensors with at most this many entries go straight to ``torch.kthvalue``.
-_SMALL = 1 << 17
+SMALL = 1 << 17
 #: Half-width of the bracket in binomial standard deviations of the sample rank (plus a floor).
 _MARGIN_SIGMAS = 5.0
 _MARGIN_FLOOR = 8
@@ -64,10 +64,19 @@ def _from_key(key: int, magnitude: bool, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(bits).view(dtype)[0].clone()
 
 
+def sample_positions(d: int) -> slice:
+    """The strided positions of a tensor of ``d`` entries whose keys place the bracket."""
+    step = max(1, d // _SAMPLE) | 1  # odd: a power-of-two row length cannot alias with it
+    return slice(step // 2, None, step)
+
+
 def _bracket(keys_of: np.ndarray, k: int, d: int, magnitude: bool) -> tuple[int, int]:
     """``(lo, hi)``: sample key order statistics that bracket the k-th largest key."""
-    step = max(1, d // _SAMPLE) | 1  # odd: a power-of-two row length cannot alias with it
-    sample = _keys(keys_of[step // 2 :: step], magnitude)
+    return _bracket_of_sample(_keys(keys_of[sample_positions(d)], magnitude), k, d)
+
+
+def _bracket_of_sample(sample: np.ndarray, k: int, d: int) -> tuple[int, int]:
+    """``(lo, hi)`` from the keys ``sample`` of the entries at :func:`sample_positions`."""
     n = sample.size
     centre = k * n / d
     margin = _MARGIN_SIGMAS * math.sqrt(n * (k / d) * (1.0 - k / d)) + _MARGIN_FLOOR
@@ -96,6 +105,44 @@ def _count_and_collect(
     return above, np.concatenate(parts)
 
 
+class StreamedKthLargest:
+    """:func:`kth_largest` of a float tensor that is being written chunk by chunk.
+
+    Made from the tensor's values at :func:`sample_positions` (computed by the caller before
+    the tensor itself), it counts each finished chunk while that is still in the cache
+    (:meth:`count`, pure: chunks may be counted in any thread, in any order) and then returns
+    exactly ``kth_largest(whole, k)`` from the counts (:meth:`result`), without another pass
+    over the tensor unless the sample missed.
+    """
+
+    def __init__(self, sample: torch.Tensor, k: int, d: int, *, magnitude: bool = False):
+        self.k, self.magnitude, self.dtype = k, magnitude, sample.dtype
+        bits = sample.contiguous().view(_INT_OF[sample.dtype]).numpy()
+        self.lo, self.hi = _bracket_of_sample(_keys(bits, magnitude), k, d)
+
+    def count(self, chunk: torch.Tensor) -> tuple[int, np.ndarray]:
+        """``(#{key > hi}, keys in [lo, hi])`` of one contiguous CPU chunk."""
+        bits = chunk.view(_INT_OF[self.dtype]).numpy()
+        return _count_and_collect(bits, self.lo, self.hi, self.magnitude)
+
+    def result(self, whole: torch.Tensor, counts: list[tuple[int, np.ndarray]]) -> torch.Tensor:
+        """The k-th largest entry of ``whole``, the tensor whose chunks gave ``counts``."""
+        above = sum(a for a, _ in counts)
+        cand = np.concatenate([c for _, c in counts])
+        bits = whole.reshape(-1).view(_INT_OF[self.dtype]).numpy()
+        return _kth_of_candidates(bits, self.k, above, cand, self.magnitude, self.dtype)
+
+
+def _kth_of_candidates(
+    bits: np.ndarray, k: int, above: int, cand: np.ndarray, magnitude: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """The k-th largest entry from the count above the bracket and the keys inside it."""
+    if not above < k <= above + cand.size:  # the sample missed: select among all keys
+        above, cand = 0, _keys(bits, magnitude)
+    pos = cand.size - (k - above)  # ascending position of the answer among the candidates
+    return _from_key(int(np.partition(cand, pos)[pos]), magnitude, dtype)
+
+
 def kth_largest(x: torch.Tensor, k: int, *, magnitude: bool = False) -> torch.Tensor:
     """The k-th largest entry of ``x`` (of ``|x|`` with ``magnitude``), as a 0-d tensor.
 
@@ -109,13 +156,10 @@ def kth_largest(x: torch.Tensor, k: int, *, magnitude: bool = False) -> torch.Te
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= d:
         raise ValueError(f"k must be an int in [1, {d}] (the number of entries), got {k!r}")
     flat = x.detach().reshape(-1)
-    if d <= _SMALL or flat.device.type != "cpu":
+    if d <= SMALL or flat.device.type != "cpu":
         values = flat.abs() if magnitude else flat
         return torch.kthvalue(values, d - k + 1).values
     bits = flat.view(_INT_OF[x.dtype]).numpy()
     lo, hi = _bracket(bits, k, d, magnitude)
     above, cand = _count_and_collect(bits, lo, hi, magnitude)
-    if not above < k <= above + cand.size:  # the sample missed: select among all keys
-        above, cand = 0, _keys(bits, magnitude)
-    pos = cand.size - (k - above)  # ascending position of the answer among the candidates
-    return _from_key(int(np.partition(cand, pos)[pos]), magnitude, x.dtype)
+    return _kth_of_candidates(bits, k, above, cand, magnitude, x.dtype)

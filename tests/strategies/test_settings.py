@@ -76,6 +76,7 @@ def test_layer_defaults_follow_the_model_depth():
         ({"objective": "nope"}, "'objective' = 'nope': must be one of dpo, ga"),
         ({"scenario": "nope"}, "'scenario' = 'nope': must be one of muse, tofu, wmdp"),
         ({"dp2u-forget-request": '{"0": {"records": [1]}}'}, "needs strategy='dp2u'"),
+        ({"strategy": "dp2u", "evaluate": False}, "evaluate=false does not apply"),
     ],
 )
 def test_combinations_refused_before_anything_runs(config, message):
