@@ -23,22 +23,23 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 # or two, so a second actor only adds its start-up to the two busy cores.
 os.environ.setdefault("FEDUNLEARN_FEDERATION_CONFIG", "init-args-num-cpus=1")
 
-#: The files that take longest, longest first (minutes of one worker, measured on a 2-core CPU
-#: with both workers busy). pytest-xdist hands whole files to the workers in collection order
-#: (``--dist loadfile --no-loadscope-reorder`` in pyproject.toml; its default order, most tests
-#: first, started these last, and one of them then ran alone for 13 minutes at the end), so
-#: these start first and the short files fill in around them.
+#: The files that take longest, longest first (minutes of one worker in a fresh-clone run of
+#: the suite on a 2-core CPU, both workers busy; at least their slowest 60 tests). pytest-xdist
+#: hands whole files to the workers in collection order (``--dist loadfile
+#: --no-loadscope-reorder`` in pyproject.toml; its default order, most tests first, started
+#: these last, and one of them then ran alone for 13 minutes at the end), so these start first
+#: and the short files fill in around them.
 LONGEST_FILES = (
-    "tests/simulations/test_scenarios_end_to_end.py",  # 18: two substrate builds, two runs
-    "tests/simulations/test_end_to_end.py",  # 14
-    "tests/simulations/test_resume.py",  # 12.5
-    "tests/simulations/test_real_check.py",  # 11.5
-    "tests/simulations/test_objectives_flower.py",  # 8
-    "tests/simulations/test_dp2u_flower.py",  # 8
-    "tests/simulations/test_studies.py",  # 6
-    "tests/simulations/test_mpu_flower.py",  # 5
-    "tests/simulations/test_deploy.py",  # 5
-    "tests/simulations/test_model_delivery_flower.py",  # 4
+    "tests/simulations/test_scenarios_end_to_end.py",  # 8.5: two substrate builds, two runs
+    "tests/simulations/test_end_to_end.py",  # 7
+    "tests/simulations/test_resume.py",  # 5.5
+    "tests/simulations/test_real_check.py",  # 4.5
+    "tests/simulations/test_dp2u_flower.py",  # 4.5
+    "tests/simulations/test_objectives_flower.py",  # 4
+    "tests/simulations/test_mpu_flower.py",  # 4
+    "tests/simulations/test_deploy.py",  # 3.5
+    "tests/simulations/test_studies.py",  # 3
+    "tests/simulations/test_model_delivery_flower.py",  # 2
 )
 
 
