@@ -109,6 +109,25 @@ def test_one_counting_pass_brackets_random_data() -> None:
         assert cand.size < 0.05 * BIG
 
 
+@pytest.mark.parametrize("magnitude", [False, True])
+def test_streamed_selection_of_chunks_in_any_order_equals_kthvalue(magnitude: bool) -> None:
+    """Counted slice by slice (in shuffled order, as threads may finish them) the streamed
+    selection returns torch.kthvalue's value; a sample that misrepresents the tensor (here
+    all zeros) falls back to selecting among every key and is still exact."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(BIG, generator=g).mul_(3.0)
+    x[::97] = 0.0  # ties
+    positions = selection.sample_positions(BIG)
+    slices = [slice(a, min(a + 70_001, BIG)) for a in range(0, BIG, 70_001)]
+    order = torch.randperm(len(slices), generator=g).tolist()
+    for k in (1, BIG // 10, BIG // 2, BIG - 1):
+        for sample in (x[positions], torch.zeros_like(x[positions])):
+            streamed = selection.StreamedKthLargest(sample, k, BIG, magnitude=magnitude)
+            counts = [streamed.count(x[slices[i]]) for i in order]
+            got = streamed.result(x, counts)
+            assert torch.equal(got, _reference(x, k, magnitude)), (k, magnitude)
+
+
 def test_errors() -> None:
     with pytest.raises(ValueError, match="k must be"):
         kth_largest(torch.zeros(0), 1)
