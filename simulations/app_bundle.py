@@ -51,7 +51,6 @@ def app_files(root: Path) -> list[str]:
 def stage_app(root: Path, destination: Path) -> Path:
     """Copy the app files of ``root`` (:func:`app_files`) into ``destination`` (replacing
     an earlier copy) and return it, ready for ``flwr run <destination>``."""
-    root = root.resolve()
     if destination.exists():
         shutil.rmtree(destination)
     for relative in app_files(root):

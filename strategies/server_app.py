@@ -107,10 +107,11 @@ def main(grid: Grid, context: Context) -> None:
 
     t0 = time.perf_counter()
     metrics: dict[str, Any] = {}
-    if reference is not None and settings.evaluate:
-        metrics["reference"] = _baseline_evaluation("reference", reference, run_model, settings)
-    reference_metrics = metrics.get("reference")
+    reference_metrics = None
     if settings.evaluate:
+        if reference is not None:
+            reference_metrics = _baseline_evaluation("reference", reference, run_model, settings)
+            metrics["reference"] = reference_metrics
         metrics["before"] = _baseline_evaluation(
             "original", model, run_model, settings, reference_metrics
         )
