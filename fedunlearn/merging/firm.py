@@ -52,17 +52,27 @@ def support_size(numel: int, alpha: float) -> int:
 class _SparsifiedFisher:
     """``F̃ = F / (max F + eps0)`` kept where ``F̃ >=`` its k-th largest value, slice by slice.
 
-    ``source`` is the flat raw (or pooled) Fisher, ``scale`` the 0-d float32 ``max F + eps0``
-    and ``lower`` the largest float32 below the threshold (``-inf`` keeps every entry).
+    ``source`` is the flat raw (or pooled) Fisher, or the list of a domain's flat raw Fishers
+    whose float32 mean ``F̄_g`` is formed slice by slice (never as a whole tensor); ``scale``
+    is the 0-d float32 ``max F + eps0`` and ``lower`` the largest float32 below the threshold
+    (``-inf`` keeps every entry).
     """
 
-    source: torch.Tensor
+    source: torch.Tensor | list[torch.Tensor]
     scale: torch.Tensor
     lower: float
 
     def chunk(self, span: slice) -> torch.Tensor:
         """``F̃`` on ``span`` (float32)."""
+        if isinstance(self.source, list):
+            pooled = _mean_into(_empty32(span, self.source[0]), [f[span] for f in self.source])
+            return keep_at_least(pooled.div_(self.scale), self.lower)
         return keep_at_least(self.source[span].to(torch.float32) / self.scale, self.lower)
+
+
+def _empty32(span: slice, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised float32 slice buffer of ``span``'s length on ``like``'s device."""
+    return torch.empty(span.stop - span.start, dtype=torch.float32, device=like.device)
 
 
 def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFisher:
@@ -79,7 +89,7 @@ def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFis
     k = support_size(d, alpha)
     if k >= d:
         return _SparsifiedFisher(flat, scale, -math.inf)
-    threshold = kth_largest(flat, k).to(torch.float32) / scale
+    threshold = kth_largest(flat, k, nonnegative=True).to(torch.float32) / scale
     return _SparsifiedFisher(flat, scale, below(threshold))
 
 
@@ -155,7 +165,9 @@ def _pooled_sparsifier(
 
     The same scale and threshold as ``_sparsifier(_pooled(fishers))``: the pooled values at
     the selector's sample positions are computed first (the same float32 arithmetic), then
-    every slice of ``F̄_g`` is counted for the threshold while it is still in the cache.
+    every slice of ``F̄_g`` is pooled in a slice buffer, maxed and counted for the threshold,
+    and dropped: the merge pools it again slice by slice (reading the raw Fishers once more
+    costs less memory traffic than writing and re-reading a float32 ``F̄_g``).
     """
     flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
@@ -164,17 +176,17 @@ def _pooled_sparsifier(
         return _sparsifier(_pooled(fishers, device), alpha, eps0)
     positions = sample_positions(d)
     sample = torch.empty(len(range(d)[positions]), dtype=torch.float32)
-    selector = StreamedKthLargest(_mean_into(sample, [f[positions] for f in flats]), k, d)
-    out = torch.empty(d, dtype=torch.float32, device=device)
+    pooled_sample = _mean_into(sample, [f[positions] for f in flats])
+    selector = StreamedKthLargest(pooled_sample, k, d, nonnegative=True)
 
     def work(span: slice) -> tuple[torch.Tensor, tuple[int, np.ndarray]]:
-        chunk = _mean_into(out[span], [f[span] for f in flats])
+        chunk = _mean_into(_empty32(span, flats[0]), [f[span] for f in flats])
         return chunk.max(), selector.count(chunk)
 
     parts = map_spans(work, d, device)
     scale = torch.stack([m for m, _ in parts]).max() + eps0
-    threshold = selector.result(out, [c for _, c in parts]) / scale
-    return _SparsifiedFisher(out, scale, below(threshold))
+    threshold = selector.result(lambda: _pooled(flats, device), [c for _, c in parts]) / scale
+    return _SparsifiedFisher(flats, scale, below(threshold))
 
 
 def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:

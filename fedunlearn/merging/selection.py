@@ -25,6 +25,8 @@ inputs).  Tensors off the CPU, and small ones, go straight to ``torch.kthvalue``
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import torch
@@ -48,19 +50,31 @@ _INT_OF = {
 _NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
 
-def _keys(bits: np.ndarray, magnitude: bool) -> np.ndarray:
-    """Integer keys in the order of the floats whose bit patterns are ``bits`` (or of ``|x|``)."""
+#: How the integer keys are made from the bit patterns: of signed values (the magnitude bits of
+#: negatives flipped), of ``|x|`` (the sign bit cleared), or of values known to be ``>= 0`` (the
+#: bit patterns themselves, which already order like the floats; ``-0.0`` orders below ``0.0``).
+KeyKind = Literal["signed", "magnitude", "nonnegative"]
+
+
+def _key_kind(magnitude: bool, nonnegative: bool) -> KeyKind:
+    return "magnitude" if magnitude else "nonnegative" if nonnegative else "signed"
+
+
+def _keys(bits: np.ndarray, kind: KeyKind) -> np.ndarray:
+    """Integer keys in the order of the floats whose bit patterns are ``bits`` (see KeyKind)."""
+    if kind == "nonnegative":
+        return bits
     top = np.iinfo(bits.dtype).max  # every bit but the sign bit
-    if magnitude:
+    if kind == "magnitude":
         return bits & top
     return bits ^ ((bits >> (bits.dtype.itemsize * 8 - 1)) & top)
 
 
-def _from_key(key: int, magnitude: bool, dtype: torch.dtype) -> torch.Tensor:
+def _from_key(key: int, kind: KeyKind, dtype: torch.dtype) -> torch.Tensor:
     """The 0-d tensor of ``dtype`` whose key is ``key`` (inverse of :func:`_keys`)."""
     bits = np.array([key], dtype=_NUMPY_INT[_INT_OF[dtype]])
-    if not magnitude:
-        bits = _keys(bits, False)  # flipping the magnitude bits of a negative is an involution
+    if kind == "signed":
+        bits = _keys(bits, kind)  # flipping the magnitude bits of a negative is an involution
     return torch.from_numpy(bits).view(dtype)[0].clone()
 
 
@@ -70,9 +84,9 @@ def sample_positions(d: int) -> slice:
     return slice(step // 2, None, step)
 
 
-def _bracket(keys_of: np.ndarray, k: int, d: int, magnitude: bool) -> tuple[int, int]:
+def _bracket(keys_of: np.ndarray, k: int, d: int, kind: KeyKind) -> tuple[int, int]:
     """``(lo, hi)``: sample key order statistics that bracket the k-th largest key."""
-    return _bracket_of_sample(_keys(keys_of[sample_positions(d)], magnitude), k, d)
+    return _bracket_of_sample(_keys(keys_of[sample_positions(d)], kind), k, d)
 
 
 def _bracket_of_sample(sample: np.ndarray, k: int, d: int) -> tuple[int, int]:
@@ -90,14 +104,12 @@ def _bracket_of_sample(sample: np.ndarray, k: int, d: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _count_and_collect(
-    bits: np.ndarray, lo: int, hi: int, magnitude: bool
-) -> tuple[int, np.ndarray]:
+def _count_and_collect(bits: np.ndarray, lo: int, hi: int, kind: KeyKind) -> tuple[int, np.ndarray]:
     """``(#{key > hi}, keys in [lo, hi])`` in one chunked pass over ``bits``."""
     above = 0
     parts = []
     for start in range(0, bits.size, CHUNK):
-        keys = _keys(bits[start : start + CHUNK], magnitude)
+        keys = _keys(bits[start : start + CHUNK], kind)
         above += int(np.count_nonzero(keys > hi))
         inside = keys >= lo
         inside &= keys <= hi
@@ -115,40 +127,73 @@ class StreamedKthLargest:
     over the tensor unless the sample missed.
     """
 
-    def __init__(self, sample: torch.Tensor, k: int, d: int, *, magnitude: bool = False):
-        self.k, self.magnitude, self.dtype = k, magnitude, sample.dtype
+    def __init__(
+        self,
+        sample: torch.Tensor,
+        k: int,
+        d: int,
+        *,
+        magnitude: bool = False,
+        nonnegative: bool = False,
+    ):
+        self.k, self.kind, self.dtype = k, _key_kind(magnitude, nonnegative), sample.dtype
         bits = sample.contiguous().view(_INT_OF[sample.dtype]).numpy()
-        self.lo, self.hi = _bracket_of_sample(_keys(bits, magnitude), k, d)
+        self.lo, self.hi = _bracket_of_sample(_keys(bits, self.kind), k, d)
 
     def count(self, chunk: torch.Tensor) -> tuple[int, np.ndarray]:
         """``(#{key > hi}, keys in [lo, hi])`` of one contiguous CPU chunk."""
         bits = chunk.view(_INT_OF[self.dtype]).numpy()
-        return _count_and_collect(bits, self.lo, self.hi, self.magnitude)
+        return _count_and_collect(bits, self.lo, self.hi, self.kind)
 
-    def result(self, whole: torch.Tensor, counts: list[tuple[int, np.ndarray]]) -> torch.Tensor:
-        """The k-th largest entry of ``whole``, the tensor whose chunks gave ``counts``."""
+    def result(
+        self,
+        whole: torch.Tensor | Callable[[], torch.Tensor],
+        counts: list[tuple[int, np.ndarray]],
+    ) -> torch.Tensor:
+        """The k-th largest entry of ``whole``, the tensor whose chunks gave ``counts``.
+
+        ``whole`` may be a function that makes the tensor: it is only called if the sample
+        missed (the tensor itself need not be kept while it is counted).
+        """
         above = sum(a for a, _ in counts)
         cand = np.concatenate([c for _, c in counts])
-        bits = whole.reshape(-1).view(_INT_OF[self.dtype]).numpy()
-        return _kth_of_candidates(bits, self.k, above, cand, self.magnitude, self.dtype)
+
+        def bits() -> np.ndarray:
+            tensor = whole() if callable(whole) else whole
+            return tensor.reshape(-1).view(_INT_OF[self.dtype]).numpy()
+
+        return _kth_of_candidates(bits, self.k, above, cand, self.kind, self.dtype)
 
 
 def _kth_of_candidates(
-    bits: np.ndarray, k: int, above: int, cand: np.ndarray, magnitude: bool, dtype: torch.dtype
+    bits: Callable[[], np.ndarray],
+    k: int,
+    above: int,
+    cand: np.ndarray,
+    kind: KeyKind,
+    dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The k-th largest entry from the count above the bracket and the keys inside it."""
+    """The k-th largest entry from the count above the bracket and the keys inside it.
+
+    ``bits`` gives the bit patterns of the whole tensor, needed only if the sample missed.
+    """
     if not above < k <= above + cand.size:  # the sample missed: select among all keys
-        above, cand = 0, _keys(bits, magnitude)
+        above, cand = 0, _keys(bits(), kind)
     pos = cand.size - (k - above)  # ascending position of the answer among the candidates
-    return _from_key(int(np.partition(cand, pos)[pos]), magnitude, dtype)
+    return _from_key(int(np.partition(cand, pos)[pos]), kind, dtype)
 
 
-def kth_largest(x: torch.Tensor, k: int, *, magnitude: bool = False) -> torch.Tensor:
+def kth_largest(
+    x: torch.Tensor, k: int, *, magnitude: bool = False, nonnegative: bool = False
+) -> torch.Tensor:
     """The k-th largest entry of ``x`` (of ``|x|`` with ``magnitude``), as a 0-d tensor.
 
     Exactly ``torch.kthvalue(v.reshape(-1), d − k + 1).values`` with ``v = x`` (``x.abs()``) and
     ``d = x.numel()``, in the dtype of ``x``.  ``x`` must be a finite floating tensor (float16,
-    bfloat16, float32 or float64) and ``1 <= k <= d``.
+    bfloat16, float32 or float64) and ``1 <= k <= d``.  ``nonnegative`` is the caller's promise
+    that no entry is below 0 (a Fisher diagonal): the bit patterns are then the keys as they
+    are, which saves the work of ordering negatives (with a negative entry the result is
+    wrong).
     """
     if x.dtype not in _INT_OF:
         raise TypeError(f"kth_largest needs a 16/32/64-bit floating tensor, got {x.dtype}")
@@ -159,7 +204,8 @@ def kth_largest(x: torch.Tensor, k: int, *, magnitude: bool = False) -> torch.Te
     if d <= SMALL or flat.device.type != "cpu":
         values = flat.abs() if magnitude else flat
         return torch.kthvalue(values, d - k + 1).values
+    kind = _key_kind(magnitude, nonnegative)
     bits = flat.view(_INT_OF[x.dtype]).numpy()
-    lo, hi = _bracket(bits, k, d, magnitude)
-    above, cand = _count_and_collect(bits, lo, hi, magnitude)
-    return _kth_of_candidates(bits, k, above, cand, magnitude, x.dtype)
+    lo, hi = _bracket(bits, k, d, kind)
+    above, cand = _count_and_collect(bits, lo, hi, kind)
+    return _kth_of_candidates(lambda: bits, k, above, cand, kind, x.dtype)

@@ -103,8 +103,8 @@ def test_one_counting_pass_brackets_random_data() -> None:
     x = (2.0 * torch.randn(BIG, generator=g)).exp_()
     bits = x.view(torch.int32).numpy()
     for k in (BIG // 10, BIG // 5, BIG // 2):
-        lo, hi = selection._bracket(bits, k, BIG, True)
-        above, cand = selection._count_and_collect(bits, lo, hi, True)
+        lo, hi = selection._bracket(bits, k, BIG, "nonnegative")
+        above, cand = selection._count_and_collect(bits, lo, hi, "nonnegative")
         assert above < k <= above + cand.size
         assert cand.size < 0.05 * BIG
 
@@ -126,6 +126,36 @@ def test_streamed_selection_of_chunks_in_any_order_equals_kthvalue(magnitude: bo
             counts = [streamed.count(x[slices[i]]) for i in order]
             got = streamed.result(x, counts)
             assert torch.equal(got, _reference(x, k, magnitude)), (k, magnitude)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_nonnegative_keys_match_kthvalue_with_zeros_and_negative_zeros(dtype: torch.dtype) -> None:
+    """Fisher-like input (>= 0, a fifth zeros, some of them -0.0, ties): the bit patterns used
+    as keys as they are give torch.kthvalue's value, in one pass and streamed (where the
+    tensor is only made, through the callable, when the sample misses)."""
+    g = torch.Generator().manual_seed(11)
+    x = (2.0 * torch.randn(BIG, generator=g, dtype=torch.float64)).exp_().to(dtype)
+    x[::5] = 0.0
+    x[::15] = -0.0
+    x[1::7] = x[1]  # ties away from zero
+    positions = selection.sample_positions(BIG)
+    for k in (1, BIG // 10, BIG // 2, BIG - BIG // 5 + 3, BIG):
+        want = _reference(x, k, False)
+        assert torch.equal(kth_largest(x, k, nonnegative=True), want), (dtype, k)
+        for sample in (x[positions], torch.zeros_like(x[positions])):
+            streamed = selection.StreamedKthLargest(sample, k, BIG, nonnegative=True)
+            made: list[int] = []
+
+            def whole(made: list[int] = made) -> torch.Tensor:
+                made.append(1)
+                return x
+
+            got = streamed.result(
+                whole, [streamed.count(x[a : a + 65_537]) for a in range(0, BIG, 65_537)]
+            )
+            assert got == want, (dtype, k)  # -0.0 == 0.0: either may come back
+            if sample.abs().sum() > 0 and 1 < k < BIG:
+                assert not made, "the sample held the answer; the whole tensor was not needed"
 
 
 def test_errors() -> None:
