@@ -3,7 +3,7 @@
 Makes a CA (kept in ``certs/ca/``, never handed to a node) and a SuperLink certificate for
 127.0.0.1 / localhost (and the ``--bind`` address), starts a SuperLink listening on
 ``--bind`` only (default 127.0.0.1: its single port serves the Fleet API *and* Flower's
-Control API, which has no authentication in OSS Flower — see the README) with TLS and
+Control API, which has no authentication in OSS Flower — see docs/deployment.md) with TLS and
 SuperNode authentication (``--enable-supernode-auth``), registers one key pair per
 SuperNode (``flwr supernode register``), starts each SuperNode with its own
 ``--node-config`` (``role``, ``partition-id``, optionally its local ``data-path``), waits

@@ -1,7 +1,7 @@
 """Flower's deployment engine on 127.0.0.1: TLS, SuperNode authentication, roles from
 --node-config, one FIRM run, SuperNodes without valid credentials refused; the SuperLink on
 loopback only, each node given only ca.crt and its own keys, the MPU secret on no command
-line; and what node authentication does not stop (the README's account of it).
+line; and what node authentication does not stop (docs/deployment.md's account of it).
 
 One SuperLink and its SuperNodes serve the whole module (started once, stopped in the
 fixture's finalizer, which also asserts that no process they started survives).
@@ -399,7 +399,7 @@ def answer(msg, context):
 
 
 def test_node_auth_does_not_guard_the_control_api(deployment, federation, tmp_path):
-    """What the README says node authentication does not stop: a client holding only ca.crt
+    """What docs/deployment.md says node authentication does not stop: a client holding only ca.crt
     runs its own app on the SuperLink's host and on every SuperNode, registers its own node
     key and lists the runs (Flower's Control API has no authentication here)."""
     members, _ = federation
