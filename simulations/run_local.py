@@ -416,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print("no metrics (evaluate=false)")
     print(f"\nresults: {results}")
+    report = results.with_name("report.html")
+    if report.is_file():
+        print(f"report:  {report}")
     return 0
 
 

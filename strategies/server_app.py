@@ -8,7 +8,7 @@ import logging
 import resource
 import time
 from collections.abc import Iterator
-from logging import INFO
+from logging import INFO, WARNING
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,7 @@ from strategies.eval_cache import cached_evaluation, evaluation_key
 from strategies.memory import peak_rss_bytes
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
+from strategies.report import write_report
 from strategies.results import format_summary_table, json_safe, summary_names
 from strategies.run_setup import (
     RunModel,
@@ -276,11 +277,24 @@ def _open_checkpoint(
 
 
 def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
-    """results.json (atomically), then the summary table and sample generations in the log."""
+    """results.json (atomically), report.html beside it, then the summary table and sample
+    generations in the log.  A report that cannot be rendered is logged, never fatal: the
+    results are already on disk."""
     path = output_dir / "results.json"
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(json_safe(results), indent=2))
+    safe = json_safe(results)
+    tmp.write_text(json.dumps(safe, indent=2))
     tmp.replace(path)
+    names = summary_names(metrics, scenario) if metrics else scenario.summary_metrics
+    try:
+        log(INFO, "report written to %s", write_report(safe, names, output_dir / "report.html"))
+    except Exception as err:  # the page is a view of results.json, not the result
+        log(
+            WARNING,
+            "report.html not written (%s: %s); results.json is complete",
+            type(err).__name__,
+            err,
+        )
     if not metrics:
         log(INFO, "results written to %s (no metrics: evaluate=false)", path)
         return

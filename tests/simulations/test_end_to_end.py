@@ -6,6 +6,7 @@ while utility stays close to the original. Uses the small substrate preset (buil
 test session) with 20 authors, 2 of them forgotten, instead of the default 200-author model.
 """
 
+import html
 import json
 from pathlib import Path
 
@@ -42,15 +43,39 @@ MAX_RETAIN_ROUGE_LOSS = 0.05
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory, substrate_cache):
+def results_path(tmp_path_factory, substrate_cache) -> Path:
     root = tmp_path_factory.mktemp("e2e")
-    path = run_local.run(
+    return run_local.run(
         run_config=SMALL_TOFU,
         output_dir=root / "out",
         flwr_home=root / "flwr_home",
         cache_dir=substrate_cache,
     )
-    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def results(results_path):
+    return json.loads(results_path.read_text())
+
+
+def test_report_html_shows_the_run(results_path, results):
+    """report.html sits next to results.json, self-contained, and shows this run's numbers."""
+    page = (results_path.parent / "report.html").read_text(encoding="utf-8")
+    assert page.count("src='data:image/png;base64,") == 2  # metric bars, damage per tensor
+    assert "http://" not in page and "https://" not in page and "<link" not in page
+    for metric in ("forget_rouge_l", "model_utility"):
+        for model in ("before", "after", "reference"):
+            assert f"<td>{results['metrics'][model][metric]:.4g}</td>" in page, (metric, model)
+    for client in results["clients"]:
+        assert f"<td>{client['node_id']}</td>" in page
+    assert page.count("<td>forget</td>") == 5 and page.count("<td>retain</td>") == 1
+    tensors = results["merge"]["tensors"]
+    assert len(tensors) > 0
+    for name, t in tensors.items():
+        assert f"<td class='text'>{name}</td><td>{t['norm_base']:.4g}</td>" in page
+    after = results["metrics"]["after"]["samples"]["forget"][0]["generation"]
+    before = results["metrics"]["before"]["samples"]["forget"][0]["generation"]
+    assert html.escape(after, quote=True) in page and html.escape(before, quote=True) in page
 
 
 def test_substrate_knows_the_authors(results):

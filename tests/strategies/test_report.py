@@ -1,0 +1,66 @@
+"""report.html from a results dictionary: escaping, exclusions, runs without evaluation."""
+
+from pathlib import Path
+
+from strategies.report import render_report, write_report
+
+NAMES = ("forget_accuracy", "general_accuracy", "privleak")
+
+
+def _results(**overrides):
+    results = {
+        "config": {"scenario": "wmdp", "strategy": "firm", "model": "builtin", "epsilon": 0.5},
+        "metrics": {
+            "before": {
+                "forget_accuracy": 1.0,
+                "general_accuracy": 0.98,
+                "privleak": 37.5,
+                "samples": {"bio": [{"question": "Q<1>", "correct": "A", "chosen": "A"}]},
+            },
+            "after": {
+                "forget_accuracy": 0.56,
+                "general_accuracy": 0.93,
+                "privleak": 12.0,
+                "samples": {"bio": [{"question": "Q<1>", "correct": "A", "chosen": "<script>x"}]},
+            },
+        },
+        "clients": [
+            {"node_id": 11, "role": "forget", "domain": "bio", "bytes_task_vector": 2_500_000},
+            {"node_id": 12, "role": "retain", "excluded": "task vector has NaN in layer.0"},
+        ],
+        "merge": {
+            "method": "firm",
+            "params": {"gamma": 4.0, "epsilon": 0.5},
+            "tensors": {
+                "model.layers.0.mlp.down_proj.weight": {
+                    "norm_base": 2.0,
+                    "norm_final": 1.5,
+                    "damage_before": {"12": 0.9},
+                    "damage_after": {"12": 0.5},
+                    "multipliers": {"12": 0.25},
+                }
+            },
+        },
+        "seconds": {"total": 3.5, "server_peak_rss_bytes": 2_000_000_000},
+    }
+    results.update(overrides)
+    return results
+
+
+def test_values_exclusions_and_escaping():
+    page = render_report(_results(), NAMES)
+    assert "<td>0.56</td>" in page and "<td>0.93</td>" in page
+    assert "<td>12</td>" in page  # privleak (per cent) is tabled, not plotted
+    assert page.count("src='data:image/png;base64,") == 2
+    assert "<tr class='bad'>" in page and "task vector has NaN in layer.0" in page
+    assert "<td>2.50 MB</td>" in page and "<td>2.00 GB</td>" in page
+    assert "<td>0.9 → 0.5</td><td>0.25</td>" in page
+    assert "<script>" not in page and "&lt;script&gt;x" in page and "Q&lt;1&gt;" in page
+
+
+def test_run_without_evaluation_and_atomic_write(tmp_path: Path):
+    path = write_report(_results(metrics={}), NAMES, tmp_path / "report.html")
+    page = path.read_text(encoding="utf-8")
+    assert "Not evaluated (evaluate=false)" in page
+    assert page.count("src='data:image/png;base64,") == 1  # only the damage plot
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
