@@ -31,6 +31,7 @@ from strategies.checkpoint import (
 )
 from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.eval_cache import cached_evaluation, evaluation_key
+from strategies.log_progress import progress_in_log
 from strategies.memory import peak_rss_bytes
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
@@ -81,7 +82,8 @@ def main(grid: Grid, context: Context) -> None:
     phases: dict[str, float] = {}
 
     t0 = time.perf_counter()
-    run_model = load_run_model(settings)
+    with progress_in_log():  # a first run builds the substrate here: show it in `flwr log`
+        run_model = load_run_model(settings)
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     reference = run_model.reference
     settings = settings.for_model(int(model.config.num_hidden_layers))
