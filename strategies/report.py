@@ -241,8 +241,8 @@ def _damage_plot(tensors: Mapping[str, Mapping[str, Any]]) -> bytes | None:
     names = list(tensors)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(names) + 2), 3.6))
     for r in retain:
-        before = [_number((tensors[n].get("damage_before") or {}).get(r)) for n in names]
-        after = [_number((tensors[n].get("damage_after") or {}).get(r)) for n in names]
+        before = [_nan((tensors[n].get("damage_before") or {}).get(r)) for n in names]
+        after = [_nan((tensors[n].get("damage_after") or {}).get(r)) for n in names]
         ax.plot(range(len(names)), before, "o--", label=f"{r[:12]} before", alpha=0.7)
         ax.plot(range(len(names)), after, "s-", label=f"{r[:12]} after", alpha=0.7)
     ax.set_xticks(range(len(names)), [_short(n) for n in names], rotation=60, ha="right")
@@ -275,6 +275,12 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
+
+
+def _nan(value: Any) -> float:
+    """A plotted value; NaN (a gap in the line) where there is no number."""
+    number = _number(value)
+    return math.nan if number is None else number
 
 
 def _cell(value: Any) -> str:
