@@ -28,6 +28,8 @@ from typing import Any
 
 import matplotlib
 
+from fedunlearn.files import write_file_atomic
+
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
 
@@ -53,9 +55,7 @@ def write_report(results: Mapping[str, Any], names: Sequence[str], path: Path) -
 
     ``names`` are the scenario's summary metrics (plotted and tabled first).
     """
-    tmp = path.with_suffix(".html.tmp")
-    tmp.write_text(render_report(results, names), encoding="utf-8")
-    tmp.replace(path)
+    write_file_atomic(path, render_report(results, names).encode("utf-8"))
     return path
 
 

@@ -287,7 +287,7 @@ def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
     safe = json_safe(results)
     tmp.write_text(json.dumps(safe, indent=2))
     tmp.replace(path)
-    names = summary_names(metrics, scenario) if metrics else scenario.summary_metrics
+    names = summary_names(metrics, scenario)
     try:
         log(INFO, "report written to %s", write_report(safe, names, output_dir / "report.html"))
     except Exception as err:  # the page is a view of results.json, not the result

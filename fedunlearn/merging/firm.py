@@ -65,14 +65,14 @@ class _SparsifiedFisher:
     def chunk(self, span: slice) -> torch.Tensor:
         """``F̃`` on ``span`` (float32)."""
         if isinstance(self.source, list):
-            pooled = _mean_into(_empty32(span, self.source[0]), [f[span] for f in self.source])
-            return keep_at_least(pooled.div_(self.scale), self.lower)
+            return keep_at_least(_pooled_slice(self.source, span).div_(self.scale), self.lower)
         return keep_at_least(self.source[span].to(torch.float32) / self.scale, self.lower)
 
 
-def _empty32(span: slice, like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised float32 slice buffer of ``span``'s length on ``like``'s device."""
-    return torch.empty(span.stop - span.start, dtype=torch.float32, device=like.device)
+def _pooled_slice(flats: Sequence[torch.Tensor], span: slice) -> torch.Tensor:
+    """``F̄_g`` on ``span``: the float32 mean of the flat raw Fishers, in a fresh slice buffer."""
+    buffer = torch.empty(span.stop - span.start, dtype=torch.float32, device=flats[0].device)
+    return _mean_into(buffer, [f[span] for f in flats])
 
 
 def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFisher:
@@ -180,7 +180,7 @@ def _pooled_sparsifier(
     selector = StreamedKthLargest(pooled_sample, k, d, nonnegative=True)
 
     def work(span: slice) -> tuple[torch.Tensor, tuple[int, np.ndarray]]:
-        chunk = _mean_into(_empty32(span, flats[0]), [f[span] for f in flats])
+        chunk = _pooled_slice(flats, span)
         return chunk.max(), selector.count(chunk)
 
     parts = map_spans(work, d, device)
