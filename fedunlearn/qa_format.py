@@ -11,6 +11,8 @@ turn of its own template and the answer as the assistant turn (ended by its EOS,
 
 from __future__ import annotations
 
+from typing import cast
+
 from transformers import PreTrainedTokenizerBase
 
 QUESTION_PREFIX = "Question: "
@@ -38,7 +40,9 @@ def prompt_text(tokenizer: PreTrainedTokenizerBase, question: str) -> str:
     if not has_chat_template(tokenizer):
         return format_prompt(question)
     messages = [{"role": "user", "content": question.strip()}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    # one conversation, tokenize=False: the rendered text (transformers types every form)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return cast(str, text)
 
 
 def answer_text(tokenizer: PreTrainedTokenizerBase, answer: str) -> str:

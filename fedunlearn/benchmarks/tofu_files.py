@@ -154,7 +154,7 @@ def load_tofu_files(
 
     num_authors = len(full_rows) // qa_per_author
     names = [f"author_{i}" for i in range(num_authors)]
-    author_qa = [
+    author_qa: list[dict[str, Any]] = [
         {
             "question": str(row["question"]),
             "answer": str(row["answer"]),

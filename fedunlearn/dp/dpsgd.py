@@ -200,7 +200,7 @@ class AccountantState:
         """Snapshot of an Opacus ``RDPAccountant``."""
         if accountant.mechanism() != "rdp":
             raise ValueError(f"need an RDP accountant, got mechanism {accountant.mechanism()!r}")
-        return cls(tuple(tuple(entry) for entry in accountant.history))  # type: ignore[misc]
+        return cls(tuple(tuple(entry) for entry in accountant.history))
 
     def record(self, *, noise_multiplier: float, sample_rate: float, steps: int) -> AccountantState:
         """A new state with ``steps`` more steps at (σ, q), recorded by ``RDPAccountant.step``."""
@@ -242,7 +242,7 @@ class AccountantState:
             if not (isinstance(entry, list) and len(entry) == 3):
                 raise ValueError(f"history entries must be [sigma, q, steps], got {entry!r}")
             entries.append(tuple(entry))
-        return cls(tuple(entries))  # type: ignore[arg-type]
+        return cls(tuple(entries))
 
 
 def _check_entry(entry: Sequence[float]) -> HistoryEntry:
@@ -353,7 +353,10 @@ def _run_steps(
             else:  # what the hooks would leave after an empty forward/backward
                 empty += 1
                 for p in trained:
-                    p.grad_sample = torch.zeros((0, *p.shape), dtype=p.dtype, device=device)
+                    # Opacus keeps per-sample gradients on the parameter (no declared attribute)
+                    p.grad_sample = torch.zeros(  # type: ignore[attr-defined]
+                        (0, *p.shape), dtype=p.dtype, device=device
+                    )
             optimizer.step()  # clip, noise, scale, account, SGD update
             done += 1
             bar.update(1)

@@ -38,7 +38,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -495,7 +495,8 @@ def _rewrite_many(
         words = []
         for tid in chosen[k : k + len(plan.targets)]:
             if tid not in cache:
-                cache[tid] = tokenizer.decode([tid], clean_up_tokenization_spaces=False).strip()
+                word = tokenizer.decode([tid], clean_up_tokenization_spaces=False)
+                cache[tid] = cast(str, word).strip()  # one sequence decodes to a str
             words.append(cache[tid])
         k += len(plan.targets)
         results.append(_splice(plan.text, plan, words, epsilon_per_token))

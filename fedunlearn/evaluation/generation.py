@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
-from transformers import GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    GenerationConfig,
+    GenerationMixin,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from fedunlearn.evaluation.likelihood import (
     eval_mode,
@@ -86,7 +92,8 @@ def greedy_from_ids(
                 ids = prompts[i]
                 input_ids[row, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
                 attention[row, width - len(ids) :] = 1
-            generated = model.generate(
+            # every *ForCausalLM is a GenerationMixin (PreTrainedModel itself is not)
+            generated = cast(GenerationMixin, model).generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention.to(device),
                 generation_config=config,
@@ -96,5 +103,6 @@ def greedy_from_ids(
                 tokens = new_tokens[row]
                 if eos_id in tokens:
                     tokens = tokens[: tokens.index(eos_id)]
-                outputs[i] = tokenizer.decode(tokens, skip_special_tokens=True).strip()
+                text = tokenizer.decode(tokens, skip_special_tokens=True)
+                outputs[i] = cast(str, text).strip()  # one sequence decodes to a str
     return outputs

@@ -102,9 +102,9 @@ def answer_nll(
         encode_qa(tokenizer, q, a, max_length=max_length)
         for q, a in zip(questions, answers, strict=True)
     ]
-    for i, (_, labels) in enumerate(encoded):
+    for i, (_, pair_labels) in enumerate(encoded):
         # Label at position 0 is never predicted (no preceding token), so it must not count.
-        if not any(lab != -100 for lab in labels[1:]):
+        if not any(lab != -100 for lab in pair_labels[1:]):
             raise ValueError(
                 f"pair {i} has no labelled answer token after truncation to {max_length} tokens"
             )

@@ -303,11 +303,13 @@ def evaluate_muse(
         result["verbmem_forget"] = None
     members, nonmembers = data.privleak_texts()
     if members and nonmembers:
-        kwargs = {"k": k, "batch_size": batch_size, "max_length": max_length}
-        result["privleak_auc"] = membership_auc(
-            min_k_percent_scores(model, tokenizer, members, **kwargs),
-            min_k_percent_scores(model, tokenizer, nonmembers, **kwargs),
-        )
+
+        def scores(texts: Sequence[str]) -> list[float]:
+            return min_k_percent_scores(
+                model, tokenizer, texts, k=k, batch_size=batch_size, max_length=max_length
+            )
+
+        result["privleak_auc"] = membership_auc(scores(members), scores(nonmembers))
     else:
         result["privleak_auc"] = None
     result["privleak"] = (

@@ -171,7 +171,7 @@ def _fulm_tensor(
 
     def work(span: slice) -> _SliceSums:
         sums = _SliceSums(0.0, [], [], [])
-        acc = None
+        acc: torch.Tensor | None = None
         for members, member_dtype, lowers in plans:
             parts = [flats[i][span].to(device=device, dtype=member_dtype) for i in members]
             centroid, present, agreeing = combine_chunk(parts, lowers)
@@ -180,8 +180,9 @@ def _fulm_tensor(
             sums.agreeing.append(agreeing)
             centroid = centroid.to(acc_dtype)
             acc = centroid if acc is None else acc.add_(centroid)
+        assert acc is not None, "FULM merges at least one cluster"
         if scale != 1.0:
-            acc.mul_(scale)  # type: ignore[union-attr]
+            acc.mul_(scale)
         out[span] = acc
         sums.final_sq = sum_sq(out[span])
         return sums

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ def update_norm(update: ClientUpdate) -> float:
     return math.sqrt(total)
 
 
-def _scaled(tensors: dict[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
+def _scaled(tensors: Mapping[str, torch.Tensor], factor: float) -> dict[str, torch.Tensor]:
     return {k: (v.to(torch.float64) * factor).to(v.dtype) for k, v in tensors.items()}
 
 

@@ -47,7 +47,7 @@ def tiny_llama_config(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
         rms_norm_eps=1e-5,
-        rope_theta=10000.0,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
     )
 
 

@@ -22,9 +22,16 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+)
 
 from fedunlearn.files import (
     build_entry,
@@ -109,7 +116,11 @@ def convert_gguf(gguf: Path, folder: Path) -> dict:
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.dtype = "float32"
-    model = LlamaForCausalLM(config) if config.model_type == "llama" else type(loaded)(config)
+    model: PreTrainedModel
+    if config.model_type == "llama":  # transformers built it as a LlamaConfig
+        model = LlamaForCausalLM(cast(LlamaConfig, config))
+    else:
+        model = type(loaded)(config)
     missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if [k for k in missing if k not in tied] or unexpected:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
+from transformers import PreTrainedConfig
 
 from fedunlearn.objectives import ObjectiveContext, reference_outputs, register_objective
 
@@ -24,7 +27,10 @@ def steering_direction(hidden_size: int, seed: int) -> torch.Tensor:
 
 def rmu_layer_index(model: torch.nn.Module, context: ObjectiveContext) -> int:
     """Layer L: option ``rmu_layer`` or, when absent, ``num_hidden_layers // 2``."""
-    num_layers = int(model.config.num_hidden_layers)
+    # a causal LM or its PEFT wrapper: ``config`` is the transformers config (torch types
+    # a module's attributes as Tensor | Module)
+    config = cast(PreTrainedConfig, model.config)
+    num_layers = int(config.num_hidden_layers)
     layer = int(context.options.get("rmu_layer", num_layers // 2))
     if not 0 <= layer < num_layers:
         raise ValueError(f"rmu_layer={layer} is outside the model's layers 0..{num_layers - 1}")

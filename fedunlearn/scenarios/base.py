@@ -21,8 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
-import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -84,6 +83,9 @@ class Scenario(ABC):
     utility_metric: ClassVar[str]
     #: whether forget clients hold QA (so refusal-preference objectives such as DPO apply)
     qa_forget_data: ClassVar[bool] = False
+    #: the benchmark data, set by each scenario's ``__init__`` (its own type: ``TofuData``,
+    #: ``WmdpData``, ``MuseData``)
+    data: Any
 
     @classmethod
     def default_lora_layers(cls, num_hidden_layers: int, rmu_layer: int) -> str:
@@ -124,7 +126,7 @@ class Scenario(ABC):
     @abstractmethod
     def evaluate(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         reference_metrics: dict[str, Any] | None = None,
@@ -137,7 +139,7 @@ class Scenario(ABC):
         reference model's own result of this method."""
 
     def check_knowledge(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         """A quick measure that a built substrate knows the data (stored in its build info)."""
         metrics = self.evaluate(model, tokenizer, n_samples=0)
@@ -146,7 +148,7 @@ class Scenario(ABC):
     # shared helpers ------------------------------------------------------------------------
 
     def check_reference(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         """A quick measure of what the retain-only reference knows of the forget part."""
         return {}

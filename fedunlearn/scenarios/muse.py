@@ -11,8 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.benchmarks.muse import (
     MuseData,
@@ -141,7 +140,7 @@ class MuseScenario(Scenario):
 
     def evaluate(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         reference_metrics: dict[str, Any] | None = None,
@@ -167,7 +166,7 @@ class MuseScenario(Scenario):
         return REAL_VERBMEM_TOKENS if self.params.data_path else GENERATED_VERBMEM_TOKENS
 
     def check_knowledge(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         """Real files: VerbMem and KnowMem forget alone (cheap; run when the model is built).
         Generated data: the summary metrics."""
@@ -176,7 +175,7 @@ class MuseScenario(Scenario):
         return self._forget_memory(model, tokenizer, "")
 
     def check_reference(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         """Real files: the reference's VerbMem and KnowMem forget (what it knows unseen)."""
         if not self.params.data_path:
@@ -184,7 +183,7 @@ class MuseScenario(Scenario):
         return self._forget_memory(model, tokenizer, "reference_")
 
     def _forget_memory(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prefix: str
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prefix: str
     ) -> dict[str, float]:
         out = {}
         if self.data.verbmem:

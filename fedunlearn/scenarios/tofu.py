@@ -7,8 +7,7 @@ import random
 from collections.abc import Collection
 from typing import Any
 
-import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.benchmarks.tofu import (
     TofuData,
@@ -285,7 +284,7 @@ class TofuScenario(Scenario):
 
     def evaluate(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         reference_metrics: dict[str, Any] | None = None,
@@ -333,7 +332,7 @@ class TofuScenario(Scenario):
 
     def privleak_metrics(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         reference_metrics: dict[str, Any] | None,
     ) -> dict[str, Any]:
@@ -358,7 +357,7 @@ class TofuScenario(Scenario):
         }
 
     def check_knowledge(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         """Generated data: exact recall of every author QA. Real files (long free-form
         answers): ROUGE-L recall of the forget and retain authors' answers, TOFU's measure."""
@@ -371,7 +370,7 @@ class TofuScenario(Scenario):
         return {"author_recall_exact_match": _recall(model, tokenizer, self.data.author_qa)}
 
     def check_reference(
-        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase
     ) -> dict[str, float]:
         forget = self.data.forget_split(self.params.forget_percent)
         if self.params.data_path:
@@ -380,7 +379,7 @@ class TofuScenario(Scenario):
 
 
 def _rouge_recall(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records: list[dict]
 ) -> float:
     """Mean ROUGE-L recall of greedy answers (up to 96 new tokens) against the answers."""
     generations = greedy_generate(
@@ -391,7 +390,7 @@ def _rouge_recall(
 
 
 def _recall(
-    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, records: list[dict]
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, records: list[dict]
 ) -> float:
     """Share of QA whose greedy answer matches the reference answer exactly."""
     generations = greedy_generate(model, tokenizer, [r["question"] for r in records])

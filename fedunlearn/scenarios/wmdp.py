@@ -9,8 +9,7 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import torch
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.benchmarks.wmdp import (
     GENERAL,
@@ -154,7 +153,7 @@ class WmdpScenario(Scenario):
 
     def evaluate(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         *,
         reference_metrics: dict[str, Any] | None = None,

@@ -88,7 +88,7 @@ def objective_context(
 
 def run_objective_steps(
     model: torch.nn.Module,
-    params: Sequence[torch.nn.Parameter],
+    params: Sequence[torch.Tensor],
     examples: Sequence[Example],
     *,
     pad_token_id: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -64,19 +65,25 @@ class LocalTrainSettings:
 def _adapter_delta(module: LoraLayer, as_factors: bool) -> torch.Tensor | LowRankDelta:
     """The trained adapter's s·B@A (float32, CPU), or its factors."""
     if as_factors:
+        # the adapters of a targeted linear layer are nn.Linear (a ModuleDict types them Module)
+        lora_b = cast(torch.nn.Linear, module.lora_B["default"])
+        lora_a = cast(torch.nn.Linear, module.lora_A["default"])
         return LowRankDelta(
-            lora_B=module.lora_B["default"].weight.detach().to("cpu", torch.float32),
-            lora_A=module.lora_A["default"].weight.detach().to("cpu", torch.float32),
+            lora_B=lora_b.weight.detach().to("cpu", torch.float32),
+            lora_A=lora_a.weight.detach().to("cpu", torch.float32),
             scaling=float(module.scaling["default"]),
         )
-    return module.get_delta_weight("default").detach().to("cpu", torch.float32).contiguous()
+    # every concrete LoraLayer (Linear, bnb Linear4bit) defines it; the base class does not
+    delta = module.get_delta_weight("default")  # type: ignore[attr-defined]
+    return delta.detach().to("cpu", torch.float32).contiguous()
 
 
 def lora_config(lora: LoraSettings) -> LoraConfig:
     """The PEFT ``LoraConfig`` of ``lora``."""
     return LoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        # peft annotates lora_alpha as int; a float alpha is used as given (s = alpha / r)
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         layers_to_transform=(
