@@ -23,6 +23,7 @@ Baselines through the same code path: ``clean`` (one exact copy) and ``noised`` 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from logging import WARNING
@@ -57,6 +58,13 @@ MPU_MODES = ("mpu", "clean", "noised")
 #: ``mpu-publish``: fresh copies for every client, or one set of copies for the whole round.
 MPU_PUBLISH = ("per-client", "per-round")
 TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
+#: in results.json and the log whenever ``mpu-mode=mpu`` runs without shared noise
+ALIGNMENT_WARNING = (
+    "without mpu-shared-kappa, a client that aligns its m copies (they are noisy versions of "
+    "the same weights) can cancel the zero-sum noise and compute nearly the server's exact "
+    "model: the threat-model study measured it ~20x closer than one copy (docs/mpu.md, "
+    "'Threat model'); mpu-shared-kappa > 0 adds noise the alignment cannot remove"
+)
 
 
 class MpuStrategy(MergeStrategy):
@@ -78,6 +86,11 @@ class MpuStrategy(MergeStrategy):
         (what that changes: the module docstring).
     kappa : float (default: 0.01)
         κ in σ_ℓ = κ·RMS(layer ℓ's weights).
+    shared_kappa : float (default: 0.0)
+        κ_η of a noise η (σ = κ_η·RMS(layer ℓ)) common to all m copies of a client,
+        T_k(θ + η + α_k ε⁰_k): what a client that aligns its copies cannot average away, and
+        what the server's harmonic aggregate does not cancel either (``mpu`` only; 0 = none,
+        the method as published — with a warning, see the MPU threat model in the docs).
     permute_groups : bool (default: True)
         Also permute whole KV groups (the paper's extra step the reference code omits).
     sigma_reference : Mapping[str, torch.Tensor] | None (default: None)
@@ -95,6 +108,7 @@ class MpuStrategy(MergeStrategy):
         publish: str = "per-client",
         kappa: float = 0.01,
         permute_groups: bool = True,
+        shared_kappa: float = 0.0,
         sigma_reference: Mapping[str, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -105,12 +119,17 @@ class MpuStrategy(MergeStrategy):
             raise ValueError(f"MPU needs mpu-copies >= 2 (zero-sum noise), got {copies}")
         if kappa < 0:
             raise ValueError(f"mpu-kappa must be >= 0, got {kappa}")
+        if not math.isfinite(shared_kappa) or shared_kappa < 0:
+            raise ValueError(f"mpu-shared-kappa must be finite and >= 0, got {shared_kappa}")
+        if shared_kappa > 0 and mode != "mpu":
+            raise ValueError(f"mpu-shared-kappa needs mpu-mode='mpu', got {mode!r}")
         if publish not in MPU_PUBLISH:
             raise ValueError(f"mpu-publish must be one of {MPU_PUBLISH}, got {publish!r}")
         self.mode = mode
         self.publish = publish
         self.copies = copies if mode == "mpu" else 1
         self.kappa = kappa
+        self.shared_kappa = shared_kappa
         self.permute_groups = permute_groups
         self.sigma_reference = sigma_reference
         # refuses an architecture T would silently break (naming the module / config field)
@@ -118,7 +137,10 @@ class MpuStrategy(MergeStrategy):
         self.reparam = (
             plan_reparam(model_config, permute_groups=permute_groups) if mode == "mpu" else None
         )
-        for warning in self.reparam.warnings if self.reparam is not None else ():
+        self.warnings = list(self.reparam.warnings) if self.reparam is not None else []
+        if mode == "mpu" and shared_kappa == 0:
+            self.warnings.append(ALIGNMENT_WARNING)
+        for warning in self.warnings:
             log(WARNING, "MPU: %s", warning)
         self.dims = self.reparam.dims if self.reparam is not None else None
         self.num_layers = int(model_config.num_hidden_layers)
@@ -126,8 +148,10 @@ class MpuStrategy(MergeStrategy):
         self.alphas = alphas(self.copies)
         self.bytes_to_clients: dict[int, int] = {}
         self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
-        # θ of the round being published and its per-tensor σ (the same for every client)
-        self._round_state: tuple[int, dict[str, torch.Tensor], dict[str, float]] | None = None
+        # θ of the round being published and its per-tensor σ and shared-noise σ_η
+        self._round_state: (
+            tuple[int, dict[str, torch.Tensor], dict[str, float], dict[str, float]] | None
+        ) = None
         self.sigma_per_layer: dict[int, float] = {}  # σ_ℓ of the last published round
         # per-round publishing: the round's copies as sent, and their bytes
         self._published: tuple[int, dict[str, ArrayRecord], int] | None = None
@@ -150,7 +174,8 @@ class MpuStrategy(MergeStrategy):
             "server_seconds": dict(self.seconds),
             "bytes_to_client_last_round": dict(self.bytes_to_clients),
             "reparam": self.reparam.describe() if self.reparam is not None else None,
-            "warnings": list(self.reparam.warnings) if self.reparam is not None else [],
+            "shared_kappa": self.shared_kappa,
+            "warnings": list(self.warnings),
         }
 
     def round_record(self) -> dict[str, Any]:
@@ -184,14 +209,17 @@ class MpuStrategy(MergeStrategy):
     def _state_and_sigmas(
         self, server_round: int, arrays: ArrayRecord
     ) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
-        """θ as tensors and σ per perturbed tensor, computed once per round."""
+        """θ as tensors and σ per perturbed tensor, computed once per round (with the shared
+        noise's σ_η = κ_η·RMS(layer ℓ) per tensor, kept for :meth:`_copies`)."""
         if self._round_state is None or self._round_state[0] != server_round:
             state = arrays.to_torch_state_dict()
             groups = layer_groups(state.keys(), self.num_layers)
-            per_layer = layer_sigmas(state, groups, self.kappa, reference=self.sigma_reference)
-            sigmas = sigma_per_tensor(groups, per_layer)
-            self.sigma_per_layer = per_layer
-            self._round_state = (server_round, state, sigmas)
+            per_layer = layer_sigmas(state, groups, 1.0, reference=self.sigma_reference)
+            rms = sigma_per_tensor(groups, per_layer)
+            sigmas = {name: self.kappa * value for name, value in rms.items()}
+            shared = {name: self.shared_kappa * value for name, value in rms.items()}
+            self.sigma_per_layer = {layer: self.kappa * v for layer, v in per_layer.items()}
+            self._round_state = (server_round, state, sigmas, shared)
         return self._round_state[1], self._round_state[2]
 
     def _copies(
@@ -209,7 +237,10 @@ class MpuStrategy(MergeStrategy):
             transforms = [
                 self.copy_transforms(server_round, position, k) for k in range(self.copies)
             ]
-            return perturbed_copies(state, sigmas, self.alphas, gen, transforms)
+            shared = self._round_state[3] if self._round_state is not None else None
+            return perturbed_copies(
+                state, sigmas, self.alphas, gen, transforms, shared_sigmas=shared
+            )
         noise = {
             name: torch.randn(state[name].shape, generator=gen).mul_(sigma)
             for name, sigma in sigmas.items()

@@ -157,6 +157,7 @@ def main(grid: Grid, context: Context) -> None:
             publish=settings.mpu_publish,
             kappa=settings.mpu_kappa,
             permute_groups=settings.mpu_permute_groups,
+            shared_kappa=settings.mpu_shared_kappa,
             server_lr=settings.mpu_server_lr,
             sigma_reference=(
                 pretrained_state(settings, run_model)

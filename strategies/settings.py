@@ -130,6 +130,7 @@ class RunSettings:
     mpu_publish: str = "per-client"  # per-client | per-round (one set of copies per round)
     mpu_kappa: float = 0.01
     mpu_permute_groups: bool = True
+    mpu_shared_kappa: float = 0.0  # noise common to a client's copies (κ_η·RMS); 0 = none
     mpu_secret: str = ""  # refused: a secret in the run config leaks (secret_files)
     mpu_secret_file: str = ""  # a 0600 file holding the server secret; "" = env or fresh
     mpu_server_lr: float = 1.0

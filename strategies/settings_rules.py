@@ -232,6 +232,7 @@ RULES: dict[str, Rule] = {
     # MPU
     "mpu_copies": POSITIVE_INT,
     "mpu_kappa": NON_NEGATIVE,
+    "mpu_shared_kappa": NON_NEGATIVE,
     "mpu_server_lr": POSITIVE,
     # DP2Unlearning
     "dp2u_clients": POSITIVE_INT,

@@ -191,3 +191,44 @@ def test_per_client_copies_differ_between_clients_and_keys_are_drawn_once(tiny_m
             publish="per-node",
             assignments=[ClientAssignment("forget", "d", (0,))],
         )
+
+
+def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(tiny_model):
+    """mpu-shared-kappa: the linear client's update, mapped back and aggregated, is −η·(θ + η_s)
+    with η_s of std κ_η·RMS (not cancelled, unlike ε⁰); without it the report carries the
+    alignment warning, with it not; a clean run cannot take shared noise."""
+    state = _state(tiny_model)
+    plain = _strategy(tiny_model, "mpu")
+    assert any("aligns its m copies" in w for w in plain.report()["warnings"])
+    strategy = MpuStrategy(
+        merge="sum",
+        model_config=tiny_model.config,
+        secret=b"server-secret-for-tests",
+        copies=2,
+        kappa=0.05,
+        shared_kappa=0.05,
+        assignments=[ClientAssignment("forget", "d", (0, 1))],
+    )
+    strategy.node_assignment = {NODE: strategy.assignments[0]}
+    report = strategy.report()
+    assert report["shared_kappa"] == 0.05
+    assert not any("aligns its m copies" in w for w in report["warnings"])
+    content = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    names = [n for n in state if n.endswith("_proj.weight")]
+    update, _ = strategy.decode_reply(1, NODE, _linear_reply(content, names, 2, 0.1))
+    name = "model.layers.0.mlp.up_proj.weight"
+    layer = [n for n in state if n.startswith("model.layers.0.")]
+    rms = (
+        sum(float(state[n].pow(2).sum()) for n in layer) / sum(state[n].numel() for n in layer)
+    ) ** 0.5
+    shared = update.task_vector[name] / -0.1 - state[name]
+    assert 0.8 * 0.05 * rms < float(shared.std()) < 1.2 * 0.05 * rms
+    with pytest.raises(ValueError, match="mpu-shared-kappa needs mpu-mode='mpu'"):
+        MpuStrategy(
+            merge="sum",
+            model_config=tiny_model.config,
+            secret=b"s",
+            mode="clean",
+            shared_kappa=0.01,
+            assignments=[ClientAssignment("forget", "d", (0,))],
+        )

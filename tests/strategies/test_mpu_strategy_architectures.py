@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from fedunlearn.mpu import UnsupportedArchitectureError
 from fedunlearn.scenarios import ClientAssignment
-from strategies.mpu_strategy import MpuStrategy
+from strategies.mpu_strategy import ALIGNMENT_WARNING, MpuStrategy
 from strategies.results import json_safe
 from tests.fedunlearn.mpu.test_mpu_architectures import BASE  # the same tiny configs
 
@@ -86,8 +86,9 @@ def test_qk_norm_model_copies_keep_the_logits_and_the_warning_is_recorded():
         assert err <= 1e-5, (k, err)
 
     report = json.loads(json.dumps(json_safe(strategy.report())))
-    (warning,) = report["warnings"]
+    warning, alignment = report["warnings"]  # the architecture's, then the threat model's
     assert "olmo2" in warning and "sign flips" in warning
+    assert alignment == ALIGNMENT_WARNING
     assert report["reparam"]["maps"] == [
         "mlp-channel-permutation",
         "rope-plane-sign-flips",
