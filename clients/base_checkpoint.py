@@ -145,11 +145,11 @@ def rebuilt_state(
             f"node {node}: the server sent only the weights that differ from a base "
             f"checkpoint, but this node declares no {BASE_KEY}"
         )
-    base = load_base(path)
-    if base.sha256 != config[BASE_SHA_KEY]:
+    base, server_base = load_base(path), str(config[BASE_SHA_KEY])
+    if base.sha256 != server_base:
         raise ValueError(
             f"node {node}: base checkpoint {path} has sha256 {base.sha256}, the server's "
-            f"base is {config[BASE_SHA_KEY]} (the folder changed since the node query?)"
+            f"base is {server_base} (the folder changed since the node query?)"
         )
     state, digests = dict(base.state), dict(base.digests)
     for key in arrays:
@@ -161,10 +161,11 @@ def rebuilt_state(
             )
         digests[key] = tensor_digest(values)
         state[key] = torch.from_numpy(values)
-    if state_sha256(digests) != config[MODEL_SHA_KEY]:
+    server_model = str(config[MODEL_SHA_KEY])
+    if state_sha256(digests) != server_model:
         raise ValueError(
             f"node {node}: the model rebuilt from base checkpoint {path} and {len(arrays)} "
             f"received weights has sha256 {state_sha256(digests)}, the server's is "
-            f"{config[MODEL_SHA_KEY]}"
+            f"{server_model}"
         )
     return state

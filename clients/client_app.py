@@ -12,15 +12,24 @@ from __future__ import annotations
 import json
 import resource
 import time
+from collections.abc import Mapping
+from typing import cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
+from transformers import PreTrainedModel
 
 from clients.base_checkpoint import base_declaration, received_model
 from clients.fit_task import fit_reply
 from clients.local_data import client_scenario, shard
-from clients.messages import encode_client_reply, rebuild_tokenizer
+from clients.messages import (
+    config_list,
+    config_scalar,
+    encode_client_reply,
+    rebuild_tokenizer,
+    typed_record,
+)
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
@@ -44,8 +53,8 @@ ROLES = ("forget", "retain")
 def lora_settings(config: ConfigRecord) -> LoraSettings:
     """LoRA rank, alpha, target module names and (optionally) layer indices."""
     return LoraSettings(
-        rank=int(config["lora-rank"]),
-        alpha=float(config["lora-alpha"]),
+        rank=int(config_scalar(config, "lora-rank")),
+        alpha=float(config_scalar(config, "lora-alpha")),
         target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
         layers_to_transform=parse_layers(str(config["lora-layers"])),
     )
@@ -61,7 +70,7 @@ def query(msg: Message, context: Context) -> Message:
     A node that declares a ``base-checkpoint`` also replies its ``base-sha256`` (or
     ``base-problem``): ``clients.base_checkpoint``.
     """
-    info = {
+    info: dict[str, ConfigRecordValues] = {
         key: context.node_config[key]
         for key in ("role", "partition-id")
         if key in context.node_config
@@ -77,23 +86,26 @@ def train(msg: Message, context: Context) -> Message:
     With ``mpu-copies`` = m the message holds m published copies (``arrays-0`` ...); the
     client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
     """
-    config = msg.content["config"]
+    owner = f"node {context.node_id}"
+    config = typed_record(msg.content, "config", ConfigRecord, owner)
     if str(config.get("task", "unlearn")) == "fit":  # DP2Unlearning's federated training
         return fit_reply(msg, context)
     role = str(config["role"])
     if role not in ROLES:
         raise ValueError(f"node {context.node_id}: unknown role {role!r} (expected {ROLES})")
-    torch.set_num_threads(max(1, int(config.get("client-threads", 1))))
+    torch.set_num_threads(max(1, int(config_scalar(config, "client-threads", 1))))
     started = time.perf_counter()
     tokenizer = rebuild_tokenizer(config)
     records = client_scenario(config, context).records()
-    own = shard(records, [int(i) for i in config["indices"]], "shard")
+    own = shard(records, [int(i) for i in config_list(config, "indices")], "shard")
     examples = [encode_record(tokenizer, r) for r in own]
     objective = str(config["objective"]) if role == "forget" else "nll"
     needs = objective_requirements(objective)
     retain_examples = None
     if needs.needs_retain:
-        local = shard(records, [int(i) for i in config["retain-indices"]], "local retain")
+        local = shard(
+            records, [int(i) for i in config_list(config, "retain-indices")], "local retain"
+        )
         retain_examples = [encode_record(tokenizer, r) for r in local] or None
     alternate_examples = None
     if needs.needs_alternate:
@@ -103,20 +115,22 @@ def train(msg: Message, context: Context) -> Message:
                 "records (it prefers a refusal answer), but this shard holds plain text"
             )
         questions = [r["question"] for r in own]
-        alternate_examples = refusal_examples(tokenizer, questions, int(config["seed"]))
+        alternate_examples = refusal_examples(
+            tokenizer, questions, int(config_scalar(config, "seed"))
+        )
     settings = LocalTrainSettings(
         objective=objective,
-        steps=int(config["steps"]),
-        lr=float(config["lr"]),
-        batch_size=int(config["batch-size"]),
-        seed=int(config["seed"]),
+        steps=int(config_scalar(config, "steps")),
+        lr=float(config_scalar(config, "lr")),
+        batch_size=int(config_scalar(config, "batch-size")),
+        seed=int(config_scalar(config, "seed")),
         options=json.loads(str(config["objective-options-json"])),
     )
-    copies = int(config.get("mpu-copies", 0))
+    copies = int(config_scalar(config, "mpu-copies", 0))
     received = (
-        [msg.content["arrays"]]
+        [typed_record(msg.content, "arrays", ArrayRecord, owner)]
         if copies == 0
-        else [msg.content[f"arrays-{k}"] for k in range(copies)]
+        else [typed_record(msg.content, f"arrays-{k}", ArrayRecord, owner) for k in range(copies)]
     )
     outputs = []
     for arrays in received:
@@ -163,7 +177,7 @@ def train(msg: Message, context: Context) -> Message:
 
 
 def local_update(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     examples: list,
     config: ConfigRecord,
     settings: LocalTrainSettings,
@@ -182,13 +196,14 @@ def local_update(
         examples,
         names,
         pad_token_id=pad_token_id,
-        num_batches=int(config["fisher-batches"]),
+        num_batches=int(config_scalar(config, "fisher-batches")),
     )
     fisher_seconds = time.perf_counter() - t_fisher
     if bool(config.get("load-in-4bit", False)):
         # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
         model = quantize_4bit(model)
     finetune = str(config.get("finetune", "lora"))
+    task_vector: Mapping[str, torch.Tensor | LowRankDelta]
     if finetune == "full":
         task_vector, stats = train_full_task_vector(
             model,
@@ -223,14 +238,16 @@ def local_update(
     return tv_parts, fisher_parts, metrics
 
 
-def task_vector_norm(task_vector: dict[str, torch.Tensor | LowRankDelta]) -> float:
+def task_vector_norm(task_vector: Mapping[str, torch.Tensor | LowRankDelta]) -> float:
     """‖Δθ‖ over every weight (float64), dense or kept as LoRA factors."""
     dense = (v.dense() if isinstance(v, LowRankDelta) else v for v in task_vector.values())
-    return torch.sqrt(sum((t.double() ** 2).sum() for t in dense)).item()
+    total = sum((t.double() ** 2).sum() for t in dense)
+    # a tensor: a task vector has at least one weight (sum's start, 0, is never returned)
+    return torch.sqrt(cast(torch.Tensor, total)).item()
 
 
 def encode_upload(
-    task_vector: dict[str, torch.Tensor | LowRankDelta],
+    task_vector: Mapping[str, torch.Tensor | LowRankDelta],
     fisher: dict[str, torch.Tensor],
     config: ConfigRecord,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
@@ -241,7 +258,7 @@ def encode_upload(
     fisher_parts = encode_fisher(
         fisher,
         str(config.get("fisher-upload", "dense")),
-        float(config.get("fisher-upload-fraction", 1.0)),
+        float(config_scalar(config, "fisher-upload-fraction", 1.0)),
     )
     dense = 2 * 4 * sum(v.numel() for v in fisher.values())
     tv_bytes, fisher_bytes = upload_bytes(tv_parts), upload_bytes(fisher_parts)

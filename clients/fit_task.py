@@ -20,10 +20,25 @@ import math
 import time
 
 import torch
-from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Message,
+    MetricRecord,
+    MetricRecordValues,
+    RecordDict,
+)
 
 from clients.local_data import client_scenario, shard
-from clients.messages import rebuild_model, rebuild_tokenizer, wire_state
+from clients.messages import (
+    config_list,
+    config_scalar,
+    rebuild_model,
+    rebuild_tokenizer,
+    typed_record,
+    wire_state,
+)
 from fedunlearn.dp.dpsgd import AccountantState, DpSgdSettings, train_dp_sgd
 from fedunlearn.dp2u import examples_digest
 from fedunlearn.qa_format import encode_record
@@ -39,10 +54,10 @@ def _local_records(
     """(private, public) records this client trains on in ``stage``; the forget records are
     dropped here in stages that must never see them."""
     records = client_scenario(config, context).records()
-    public = {int(i) for i in config.get("public-indices", [])}
-    indices = [int(i) for i in config["indices"]]
+    public = {int(i) for i in config_list(config, "public-indices", [])}
+    indices = [int(i) for i in config_list(config, "indices")]
     if stage in DROPS_FORGET:
-        forget = {int(i) for i in config["forget-indices"]}
+        forget = {int(i) for i in config_list(config, "forget-indices")}
         indices = [i for i in indices if i not in forget]
     if not indices:
         raise ValueError(f"node {context.node_id}: no records left to train on in {stage!r}")
@@ -64,8 +79,8 @@ def _rewritten(records: list[dict], config: ConfigRecord, context: Context) -> l
         records,
         mlm,
         mlm_tokenizer,
-        epsilon_per_token=float(config["mlm-epsilon"]),
-        seed=int(config["seed"]),
+        epsilon_per_token=float(config_scalar(config, "mlm-epsilon")),
+        seed=int(config_scalar(config, "seed")),
         sensitive_only=bool(config["mlm-sensitive-only"]),
     )
     context.state[key] = ConfigRecord(
@@ -76,23 +91,24 @@ def _rewritten(records: list[dict], config: ConfigRecord, context: Context) -> l
 
 def fit_reply(msg: Message, context: Context) -> Message:
     """Train the received weights for one round of ``config['stage']`` and reply with them."""
-    config = msg.content["config"]
+    owner = f"node {context.node_id}"
+    config = typed_record(msg.content, "config", ConfigRecord, owner)
     stage = str(config["stage"])
     if stage not in FIT_STAGES:
         raise ValueError(f"node {context.node_id}: unknown stage {stage!r} (expected {FIT_STAGES})")
-    torch.set_num_threads(max(1, int(config.get("client-threads", 1))))
+    torch.set_num_threads(max(1, int(config_scalar(config, "client-threads", 1))))
     started = time.perf_counter()
     tokenizer = rebuild_tokenizer(config)
     private, public = _local_records(config, context, stage)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, MetricRecordValues] = {}
     if stage == "mlm-base":  # only the private records are rewritten
         private = _rewritten(private, config, context)
         report = json.loads(str(context.state["dp-mlm"]["report-json"]))
         metrics["mlm-epsilon-max"] = float(report.get("epsilon_per_record_max", math.nan))
         metrics["mlm-tokens-replaced"] = float(report.get("tokens_replaced", 0))
     examples = [encode_record(tokenizer, r) for r in private + public]
-    model = rebuild_model(config, msg.content["arrays"])
-    seed = int(config["seed"])
+    model = rebuild_model(config, typed_record(msg.content, "arrays", ArrayRecord, owner))
+    seed = int(config_scalar(config, "seed"))
     if stage == "dp-base":
         state = (
             AccountantState.from_json(str(context.state["dp-accountant"]["json"]))
@@ -100,13 +116,15 @@ def fit_reply(msg: Message, context: Context) -> Message:
             else AccountantState()
         )
         settings = DpSgdSettings(
-            epsilon=float(config["dp-epsilon"]),
-            delta=float(config["dp-delta"]),
-            max_grad_norm=float(config["dp-clip"]),
-            sample_rate=min(1.0, float(config["batch-size"]) / len(examples)),
-            steps_per_round=max(1, math.ceil(len(examples) / float(config["batch-size"]))),
-            total_rounds=int(config["total-rounds"]),
-            lr=float(config["lr"]),
+            epsilon=float(config_scalar(config, "dp-epsilon")),
+            delta=float(config_scalar(config, "dp-delta")),
+            max_grad_norm=float(config_scalar(config, "dp-clip")),
+            sample_rate=min(1.0, float(config_scalar(config, "batch-size")) / len(examples)),
+            steps_per_round=max(
+                1, math.ceil(len(examples) / float(config_scalar(config, "batch-size")))
+            ),
+            total_rounds=int(config_scalar(config, "total-rounds")),
+            lr=float(config_scalar(config, "lr")),
             seed=seed,
         )
         stats, state = train_dp_sgd(
@@ -127,9 +145,9 @@ def fit_reply(msg: Message, context: Context) -> Message:
             model,
             examples,
             pad_token_id=tokenizer.pad_token_id,
-            epochs=int(config["local-epochs"]),
-            lr=float(config["lr"]),
-            batch_size=int(config["batch-size"]),
+            epochs=int(config_scalar(config, "local-epochs")),
+            lr=float(config_scalar(config, "lr")),
+            batch_size=int(config_scalar(config, "batch-size")),
             seed=seed,
             show_progress=False,
         )

@@ -14,19 +14,71 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    ConfigScalar,
+    ConfigScalarList,
+    MetricRecord,
+    RecordDict,
+)
 from tokenizers import Tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
 
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.models.llama import resolve_dtype
 from fedunlearn.upload_codec import DecodedTensors
 
+R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
 
-def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast) -> dict[str, str]:
-    """Config entries that let a client rebuild the model skeleton and tokenizer offline."""
+
+def typed_record(content: RecordDict, key: str, kind: type[R], owner: str) -> R:
+    """``content[key]`` as the record type the wire format gives it (a ``RecordDict`` types
+    its values as any of the three); a ``TypeError`` naming ``owner`` when it is another."""
+    record = content[key]
+    if not isinstance(record, kind):
+        raise TypeError(
+            f"{owner}: record {key!r} is a {type(record).__name__}, not {kind.__name__}"
+        )
+    return record
+
+
+def config_scalar(
+    config: ConfigRecord, key: str, default: ConfigScalar | None = None
+) -> ConfigScalar:
+    """The single value ``config[key]`` (``config.get(key, default)`` when a default is given);
+    a ``TypeError`` when it is a list."""
+    value = config[key] if default is None else config.get(key, default)
+    if isinstance(value, list):
+        raise TypeError(f"config {key!r} is a list, not a single value")
+    return value
+
+
+def config_list(
+    config: ConfigRecord, key: str, default: ConfigScalarList | None = None
+) -> ConfigScalarList:
+    """The list ``config[key]`` (``config.get(key, default)`` when a default is given); a
+    ``TypeError`` when it is a single value."""
+    value = config[key] if default is None else config.get(key, default)
+    if not isinstance(value, list):
+        raise TypeError(f"config {key!r} is a single value, not a list")
+    return value
+
+
+def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> dict[str, str]:
+    """Config entries that let a client rebuild the model skeleton and tokenizer offline (the
+    tokenizer as its ``tokenizers`` JSON: a fast tokenizer)."""
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        raise TypeError(f"a {type(tokenizer).__name__} has no tokenizers JSON to send the clients")
     return {
         "model-config-json": model.config.to_json_string(use_diff=False),
         "tokenizer-json": tokenizer.backend_tokenizer.to_str(),
@@ -135,10 +187,15 @@ def decode_client_reply(
     count = metrics["num-examples"]
     if not isinstance(count, int | float) or not math.isfinite(count) or count != int(count):
         raise ValueError(f"client {node_id}: num-examples {count!r} is not a whole number")
-    task_vector = decoded_arrays(content["task_vector"], shapes)
+    owner = f"client {node_id}"
+    task_vector = decoded_arrays(typed_record(content, "task_vector", ArrayRecord, owner), shapes)
     if shapes is None:
         shapes = {key: tuple(task_vector[key].shape) for key in task_vector}
-    fisher = decoded_arrays(content["fisher"], shapes) if "fisher" in content else None
+    fisher = (
+        decoded_arrays(typed_record(content, "fisher", ArrayRecord, owner), shapes)
+        if "fisher" in content
+        else None
+    )
     update = ClientUpdate(
         node_id=node_id,
         role=str(info["role"]),
