@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict
 from logging import INFO
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
@@ -41,7 +41,7 @@ from fedunlearn.dp2u import DataShard, apply_forget_request, data_shards
 from fedunlearn.evaluation.distribution import truth_ratio_distances
 from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.scenarios import ClientAssignment
-from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN
+from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN, TofuScenario
 from strategies.fedtrain_strategy import FedTrainStrategy
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import json_safe
@@ -79,7 +79,9 @@ class Dp2uPipeline:
         if self.request:  # named authors / records on named clients replace forget-percent
             self.shards = apply_forget_request(data, self.shards, self.request)
             self.forget_indices = sorted(i for sh in self.shards for i in sh.forget)
-            self.splits = run_model.scenario.evaluation_splits(self.forget_indices)
+            # RunSettings allows strategy 'dp2u' on the tofu scenario only
+            scenario = cast(TofuScenario, run_model.scenario)
+            self.splits = scenario.evaluation_splits(self.forget_indices)
         cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
         self.substrate_key = str(
             run_model.info.get("cache_key")
@@ -189,6 +191,7 @@ class Dp2uPipeline:
 
     def dp_base(self, public: tuple[str, dict[str, torch.Tensor]]):
         s = self.settings
+        config: dict[str, Any]
         if s.dp2u_method == "dp2u-sgd":
             config = {
                 "dp-epsilon": s.dp2u_epsilon,

@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from logging import INFO, WARNING
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
@@ -180,7 +180,9 @@ class FedTrainStrategy(Strategy):
             "total-seconds": MetricRule("total_seconds", low=0, high=MAX_REPORTED),
         }
         fields.update(parse_all_metrics(node_id, content["metrics"], rules))
-        return self._checked_weights(node_id, content["arrays"], global_state), fields
+        # the loop above checked the record types
+        arrays = cast(ArrayRecord, content["arrays"])
+        return self._checked_weights(node_id, arrays, global_state), fields
 
     def _checked_weights(
         self, node_id: int, arrays: ArrayRecord, global_state: Mapping[str, torch.Tensor]
@@ -247,6 +249,7 @@ class FedTrainStrategy(Strategy):
                 if node_id in reports:
                     raise ReplyRejected(node_id, "replied twice; only the first reply counts")
                 reports[node_id] = report
+                state: Mapping[str, torch.Tensor]
                 state, fields = self._read_reply(node_id, reply, global_state, limit)
                 if self.spool is not None:
                     state = self.spool.store_state(node_id, state)

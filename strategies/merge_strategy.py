@@ -439,13 +439,13 @@ class MergeStrategy(Strategy):
         role (``client-norm-ratio``; ``sanity.norm_outliers``)."""
         odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
         for node_id, reason in odd.items():
-            self._exclude(self._reports[node_id], reason)
+            self._exclude(self._reports[int(node_id)], reason)
         updates = [u for u in updates if u.node_id not in odd]
         outliers, norms = norm_outliers(updates, self.client_norm_ratio)
         for node_id, norm in norms.items():
-            self._reports[node_id]["upload_norm"] = norm
+            self._reports[int(node_id)]["upload_norm"] = norm
         for node_id, problem in outliers.items():
-            self._exclude(self._reports[node_id], str(ReplyRejected(node_id, problem)))
+            self._exclude(self._reports[int(node_id)], str(ReplyRejected(node_id, problem)))
         return [u for u in updates if u.node_id not in outliers]
 
     def _robust(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
@@ -472,6 +472,8 @@ class MergeStrategy(Strategy):
     def _new_weights(self, server_round: int, result: MergeResult) -> dict[str, torch.Tensor]:
         """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``max-update-ratio``)
         and that the new weights are finite; otherwise the round fails."""
+        if self.global_arrays is None:
+            raise RuntimeError("_new_weights called before configure_train")
         delta = result.delta
         if self.server_lr != 1.0:
             delta = {k: self.server_lr * v for k, v in delta.items()}

@@ -109,6 +109,8 @@ class ModelDelivery:
     def _round_delta(self) -> tuple[list[str], str]:
         """(changed keys, state_sha256 of θ_round), computed once per round."""
         if self._round is None:
+            # only for a node that gets the delta: start_round set the weights, and a base
+            assert self._arrays is not None and self.base is not None
             keys = changed_keys(self._arrays, self.base)
             digests = {**self.base_digests, **record_digests(self._arrays, keys)}
             self._round = (keys, state_sha256(digests))
@@ -117,11 +119,11 @@ class ModelDelivery:
     def why_full(self, node_id: int) -> str | None:
         """Why node ``node_id`` gets the full model (None: it gets the delta)."""
         declaration = self.declarations.get(node_id)
-        if declaration is None or (not declaration.base_sha256 and not declaration.base_problem):
-            return "it declares no base-checkpoint"
-        if declaration.base_problem:
+        if declaration is not None and declaration.base_problem:
             return f"its base-checkpoint cannot be used: {declaration.base_problem}"
-        if self.base is None:
+        if declaration is None or not declaration.base_sha256:
+            return "it declares no base-checkpoint"
+        if self.base is None or self.base_sha256 is None:  # set together (start_round)
             return str(self.no_base_reason)
         if declaration.base_sha256 != self.base_sha256:
             return (
@@ -152,6 +154,7 @@ class ModelDelivery:
     def _say_once(self, node_id: int, reason: str) -> None:
         """Log why a node gets the full model, once per node and reason (one line for all
         nodes when none declares a base)."""
+        key: tuple[int | None, str]
         if any(d.base_sha256 or d.base_problem for d in self.declarations.values()):
             key, line = (node_id, reason), f"node {node_id} gets the full model: {reason}"
         else:

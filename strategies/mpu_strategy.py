@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Mapping
 from logging import WARNING
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
@@ -316,9 +316,12 @@ class MpuStrategy(MergeStrategy):
             # every copy is checked in its own coordinates before T⁻¹ touches it; the
             # checked records are then read as dense tensors, one weight at a time
             fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
-            delta = decoded_arrays(copy_content["task_vector"], spec.shapes)
-            fisher = (
-                decoded_arrays(copy_content["fisher"], spec.shapes)
+            # validate_reply_content checked the record types (check_records)
+            delta: Mapping[str, torch.Tensor] = decoded_arrays(
+                cast(ArrayRecord, copy_content["task_vector"]), spec.shapes
+            )
+            fisher: Mapping[str, torch.Tensor] | None = (
+                decoded_arrays(cast(ArrayRecord, copy_content["fisher"]), spec.shapes)
                 if "fisher" in copy_content
                 else None
             )

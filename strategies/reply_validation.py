@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -138,7 +138,10 @@ def check_records(node: Any, content: RecordDict) -> None:
     for name in REQUIRED_RECORDS:
         if name not in content:
             raise ReplyRejected(node, f"reply has no {name!r} record")
-    kinds = {"task_vector": ArrayRecord, "fisher": ArrayRecord}
+    kinds: dict[str, type[ArrayRecord | MetricRecord | ConfigRecord]] = {
+        "task_vector": ArrayRecord,
+        "fisher": ArrayRecord,
+    }
     kinds.update(metrics=MetricRecord, info=ConfigRecord)
     for name, kind in kinds.items():
         if name in content and not isinstance(content[name], kind):
@@ -342,12 +345,15 @@ def validate_reply_content(node: Any, content: RecordDict, spec: ReplySpec) -> d
     fields.update(parse_metrics(node, content["metrics"], REPLY_METRICS))
     has_fisher = "fisher" in content
     check_fisher_present(node, has_fisher, spec)
-    task_vector = decoded_record(node, "task-vector", content["task_vector"], spec.shapes)
+    # check_records checked the record types
+    task_vector = decoded_record(
+        node, "task-vector", cast(ArrayRecord, content["task_vector"]), spec.shapes
+    )
     check_task_vector_keys(node, list(task_vector), spec.shapes)
     check_factor_ranks(node, task_vector, spec.max_rank)
     records = [("task-vector", task_vector)]
     if has_fisher:
-        fisher = decoded_record(node, "Fisher", content["fisher"], spec.shapes)
+        fisher = decoded_record(node, "Fisher", cast(ArrayRecord, content["fisher"]), spec.shapes)
         check_fisher_keys(node, list(fisher), list(task_vector))
         records.append(("Fisher", fisher))
     tv_shapes: dict[str, tuple[int, ...]] = {}

@@ -85,7 +85,8 @@ def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
             path = ensure_converted(path, cache_dir or default_cache_dir())
         model, tokenizer = load_local_causal_lm(path, dtype=dtype)
         if torch.cuda.is_available():
-            model.to("cuda")
+            # PreTrainedModel.to is @wraps(nn.Module.to): typed as unbound (self = argument 1)
+            model.to("cuda")  # type: ignore[arg-type]
         info = {"model_path": settings.model_path, "dtype": str(dtype).removeprefix("torch.")}
         return RunModel(model, tokenizer, scenario, None, info)
     if settings.model != "builtin":
@@ -121,8 +122,9 @@ def _finetuned_run_model(
     model, _ = load_local_causal_lm(folder / "knowledgeable", dtype=dtype, tokenizer=tokenizer)
     reference, _ = load_local_causal_lm(folder / "reference", dtype=dtype, tokenizer=tokenizer)
     if torch.cuda.is_available():
-        model.to("cuda")
-        reference.to("cuda")
+        # PreTrainedModel.to is @wraps(nn.Module.to): typed as unbound (self = argument 1)
+        model.to("cuda")  # type: ignore[arg-type]
+        reference.to("cuda")  # type: ignore[arg-type]
     info = json.loads((folder / FINETUNED_INFO).read_text())
     info.update({"folder": str(folder), "pretrained": str(base), "model": settings.model})
     return RunModel(model, tokenizer, scenario, reference, info)

@@ -10,12 +10,13 @@ import time
 from collections.abc import Iterator
 from logging import INFO, WARNING
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
+from transformers import PreTrainedModel
 
 from clients.messages import describe_model, wire_state
 from fedunlearn.files import exclusive_folder
@@ -127,7 +128,7 @@ def main(grid: Grid, context: Context) -> None:
         **describe_model(model, tokenizer),
         **client_settings(settings),
     }
-    common = {
+    common: dict[str, Any] = {
         "merge_parameters": settings.merge_parameters(),
         "assignments": assignments,
         "client_config": client_config,
@@ -169,9 +170,15 @@ def main(grid: Grid, context: Context) -> None:
     else:
         strategy = MergeStrategy(merge=settings.strategy, **common)
     t0 = time.perf_counter()
+    final_state: dict[str, torch.Tensor]
     if done < settings.num_rounds:
         result = strategy.start(
-            grid=StreamingGrid(grid, strategy.receive_reply) if settings.stream_uploads else grid,
+            # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
+            grid=(
+                cast(Grid, StreamingGrid(grid, strategy.receive_reply))
+                if settings.stream_uploads
+                else grid
+            ),
             initial_arrays=(
                 ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
             ),
@@ -183,6 +190,7 @@ def main(grid: Grid, context: Context) -> None:
         record = strategy.round_record()
     else:
         log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
+        assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
         final_state, record = resumed_state, resumed_record
     phases["federated_round"] = time.perf_counter() - t0
 
@@ -225,7 +233,7 @@ def main(grid: Grid, context: Context) -> None:
 
 def _baseline_evaluation(
     name: str,
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     run_model: RunModel,
     settings: RunSettings,
     reference_metrics: dict[str, Any] | None = None,
