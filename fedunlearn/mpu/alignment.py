@@ -198,9 +198,9 @@ def harmonic_combination(
     total = sum(weights)
     out = {}
     for name, first in copies[0].items():
-        acc = sum(
-            w * c[name].detach().to(torch.float64) for w, c in zip(weights, copies, strict=True)
-        )
+        acc = torch.zeros(first.shape, dtype=torch.float64)
+        for w, c in zip(weights, copies, strict=True):
+            acc += w * c[name].detach().to(torch.float64)
         out[name] = (acc / total).to(first.dtype)
     return out
 

@@ -216,8 +216,8 @@ def _rows(
     d = tf.dims
     if kind in ("gate", "up"):
         _check_dim(name, x.shape[0], d.intermediate_size, "output dim")
-        perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
-        return x.index_select(0, perm.to(x.device))
+        mlp_perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
+        return x.index_select(0, mlp_perm.to(x.device))
     h_kv, d_h, n_rep = d.num_key_value_heads, d.head_dim, d.group_size
     heads = h_kv * (n_rep if kind == "q" else 1)
     _check_dim(name, x.shape[0], heads * d_h, "output dim")
@@ -261,8 +261,8 @@ def _cols(
     d = tf.dims
     if kind == "down":
         _check_dim(name, x.shape[-1], d.intermediate_size, "input dim")
-        perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
-        return x.index_select(-1, perm.to(x.device))
+        mlp_perm = _inverse_perm(tf.mlp_perm) if inverse else tf.mlp_perm
+        return x.index_select(-1, mlp_perm.to(x.device))
     # o_proj: columns are the concatenated query-head outputs.
     h_kv, d_h, n_rep = d.num_key_value_heads, d.head_dim, d.group_size
     _check_dim(name, x.shape[-1], h_kv * n_rep * d_h, "input dim")

@@ -22,7 +22,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -367,7 +367,7 @@ def _inspect_modules(config: Any, dims: ReparamDims) -> _ModuleLayout:
 def _own_state(module: nn.Module) -> list[str]:
     """Names of the parameters and persistent buffers a module holds itself."""
     params = [n for n, p in module.named_parameters(recurse=False) if p is not None]
-    skip = getattr(module, "_non_persistent_buffers_set", set())
+    skip: set[str] = getattr(module, "_non_persistent_buffers_set", set())
     buffers = [n for n, b in module.named_buffers(recurse=False) if b is not None and n not in skip]
     return params + buffers
 
@@ -433,7 +433,7 @@ def _qk_norm_problem(module: nn.Module, kind: str, dims: ReparamDims, layout: _M
     name = type(module).__name__
     if not name.endswith("RMSNorm") or _own_state(module) != ["weight"]:
         return f"is a {name}: T knows only a q/k RMSNorm with a weight and no bias"
-    size = module.weight.numel()
+    size = cast(torch.Tensor, module.weight).numel()  # its one state entry (checked above)
     heads = dims.num_attention_heads if kind == "q" else dims.num_key_value_heads
     fits = {"per-head"} if size == dims.head_dim else set()
     fits |= {"per-projection"} if size == heads * dims.head_dim else set()
