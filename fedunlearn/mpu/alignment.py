@@ -14,7 +14,7 @@ A_k ≈ T_1 ∘ T_k⁻¹ from the weights themselves and bring every copy into c
    Σ_h W_q,hᵀ W_k,g (QK) over the group's query heads h — invariant under the v/o basis change
    (orthogonal or not) and under the RoPE-plane rotations.
 3. v/o basis of each group: orthogonal Procrustes on [W_v,g | W_o,hᵀ …] (or, with
-   ``general_vo``, least squares for a general invertible map on v and its inverse on o).
+   ``general_vo``, a least-squares map M on v and M⁻¹ on o, which keeps every OV product).
 4. RoPE planes: in every plane (i, i + d_h/2) of a group the rotation angle that best maps the
    copy's [W_k,g | W_q,h …] rows onto the anchor's (a 2 × 2 Procrustes in closed form).
 
@@ -22,8 +22,11 @@ Then the aligned copies are combined so that the noise cancels: with the publish
 Σ_k α_k⁻¹ A_k(C_k) / Σ_k α_k⁻¹ (:func:`harmonic_combination`, exactly T_1(θ) where the alignment
 is exact, since Σ_k ε⁰_k = 0); without them, the affine combination of smallest norm per layer
 (:func:`min_norm_combination`): the noise is nearly orthogonal to θ, so the shortest point on
-the copies' affine span is close to θ too. This module is the attack of the threat-model study
-(``python -m simulations.mpu_attack``); it never touches the server's secret.
+the copies' affine span is close to θ too. Against v/o maps that a least-squares fit pins down
+poorly (general invertible ones), :func:`ov_combination` averages what attention computes, the
+products W_o,h W_v,g, instead of the factors, and factors the mean again. This module is the
+attack of the threat-model study (``python -m simulations.mpu_attack``); it never touches the
+server's secret.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from torch import Tensor
 from .noise import LAYER_PATTERN
 from .support import ReparamDims
 
-__all__ = ["align_copy", "harmonic_combination", "min_norm_combination"]
+__all__ = ["align_copy", "harmonic_combination", "min_norm_combination", "ov_combination"]
 
 
 def _proj(state: Mapping[str, Tensor], layer: int, kind: str) -> tuple[str, Tensor]:
@@ -158,11 +161,9 @@ def _align_attention(
 
 def _vo_map(v: Tensor, o: Tensor, v_a: Tensor, o_a: Tensor, general: bool) -> tuple[Tensor, Tensor]:
     """One group's v rows (d_h, in) and o columns (out, r, d_h) mapped onto the anchor's."""
-    if general:  # M·v ≈ v_a and o·N ≈ o_a with N ≈ M⁻¹, each by least squares
+    if general:  # M·v ≈ v_a by least squares, o·M⁻¹ on o: the OV products stay the copy's
         m = torch.linalg.lstsq(v.T, v_a.T).solution.T
-        flat, flat_a = o.reshape(-1, o.shape[-1]), o_a.reshape(-1, o_a.shape[-1])
-        n = torch.linalg.lstsq(flat, flat_a).solution
-        return m @ v, (flat @ n).reshape(o.shape)
+        return m @ v, o @ torch.linalg.inv(m)
     x = torch.cat([v, o.reshape(-1, o.shape[-1]).T], dim=1)  # M acts on rows of v, cols of o
     x_a = torch.cat([v_a, o_a.reshape(-1, o_a.shape[-1]).T], dim=1)
     u, _, vh = torch.linalg.svd(x_a @ x.T)
@@ -236,4 +237,41 @@ def min_norm_combination(
             piece = combined[offset : offset + size].reshape(copies[0][n].shape)
             out[n] = piece.to(copies[0][n].dtype)
             offset += size
+    return out
+
+
+def ov_combination(
+    combined: Mapping[str, Tensor],
+    copies: Sequence[Mapping[str, Tensor]],
+    scales: Sequence[float],
+    dims: ReparamDims,
+    num_layers: int,
+) -> dict[str, Tensor]:
+    """``combined`` with every group's v/o replaced by a factorisation of the harmonic mean of
+    the copies' OV products: per KV group g, [W_o,h W_v,g]_h stacked over its query heads is
+    (r·out) × in of rank d_h in every copy, whatever invertible v/o map the copy carries; the
+    weighted mean of the products cancels the zero-sum noise to first order, and its rank-d_h
+    SVD U S Vᵀ gives W_v,g = S Vᵀ and the stacked W_o,h = U. The copies must already have their
+    KV groups matched (:func:`align_copy`)."""
+    weights = [1.0 / a for a in scales]
+    h_kv, r, d_h = dims.num_key_value_heads, dims.group_size, dims.head_dim
+    out = dict(combined)
+    for layer in range(num_layers):
+        v_name, o_name = _proj(copies[0], layer, "v")[0], _proj(copies[0], layer, "o")[0]
+        mean = None
+        for w, c in zip(weights, copies, strict=True):
+            v = _heads(c[v_name].detach().to(torch.float64), h_kv)  # (g, d_h, in)
+            o = c[o_name].detach().to(torch.float64).reshape(-1, h_kv, r, d_h)
+            product = torch.einsum("xgrd,gdy->grxy", o, v) * w  # (g, r, out, in)
+            mean = product if mean is None else mean + product
+        assert mean is not None  # copies is never empty here
+        mean = mean / sum(weights)
+        v_new = torch.empty(h_kv, d_h, mean.shape[-1], dtype=torch.float64)
+        o_new = torch.empty(mean.shape[2], h_kv, r, d_h, dtype=torch.float64)
+        for g in range(h_kv):
+            u, sv, vh = torch.linalg.svd(mean[g].reshape(-1, mean.shape[-1]), full_matrices=False)
+            v_new[g] = sv[:d_h, None] * vh[:d_h]
+            o_new[:, g] = u[:, :d_h].reshape(r, -1, d_h).transpose(0, 1)
+        out[v_name] = v_new.reshape(copies[0][v_name].shape).to(copies[0][v_name].dtype)
+        out[o_name] = o_new.reshape(copies[0][o_name].shape).to(copies[0][o_name].dtype)
     return out

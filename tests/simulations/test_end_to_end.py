@@ -13,16 +13,9 @@ from pathlib import Path
 import pytest
 
 from simulations import compact_check, run_local
-from tests.simulations.presets import SMALL_SUBSTRATE
+from tests.simulations.presets import SMALL_TOFU
 
 pytestmark = pytest.mark.slow
-
-# The README's main job at test size: 20 authors, forget 10 % (2 authors over 5 forget clients),
-# FIRM γ = 5 (the default γ = 8 is tuned for the default substrate and overshoots this one).
-SMALL_TOFU = (
-    f"{SMALL_SUBSTRATE} num-authors=20 forget-percent=10.0 retain-samples=100 "
-    "eval-retain-samples=50 gamma=5.0"
-)
 
 # Thresholds, chosen from a measured run of SMALL_TOFU (forget ROUGE-L 0.994 → 0.475 with the
 # reference at 0.601, exact match 0.95 → 0.00, utility 0.567 → 0.555, retain ROUGE-L

@@ -24,7 +24,12 @@ from fedunlearn.mpu import (
     sigma_per_tensor,
     zero_sum_draw,
 )
-from fedunlearn.mpu.alignment import align_copy, harmonic_combination, min_norm_combination
+from fedunlearn.mpu.alignment import (
+    align_copy,
+    harmonic_combination,
+    min_norm_combination,
+    ov_combination,
+)
 
 SECRET = b"alignment-test-secret"
 
@@ -167,3 +172,22 @@ def test_min_norm_combination_needs_no_scales(m: int) -> None:
     assert residual < 0.5 * one
     assert residual / float(eps[0].norm()) < 3 / (kappa * d**0.5)
     assert torch.equal(combined["lm_head.weight"], theta[:5])
+
+
+def test_general_invertible_vo_maps_are_undone_by_averaging_the_ov_products(model) -> None:
+    """Copies with an extra invertible (not orthogonal) v/o map per group: matching the groups
+    and averaging the OV products W_o,h W_v,g (then factoring them again) still lands over 10×
+    closer to θ's logits than one copy."""
+    from simulations.mpu_attack_defenses import InvertibleVO
+
+    state, copies, _, dims = _publish(model, 0.01, 2)
+    layers = model.config.num_hidden_layers
+    copies = [InvertibleVO(dims, layers, seed).forward(c) for seed, c in enumerate(copies)]
+    reference = _logits(model, state)
+    one = float((_logits(model, copies[0]) - reference).abs().max())
+    aligned = [copies[0], align_copy(copies[1], copies[0], dims, layers, general_vo=True)]
+    combined = ov_combination(
+        harmonic_combination(aligned, alphas(2)), aligned, alphas(2), dims, layers
+    )
+    gap = float((_logits(model, combined) - reference).abs().max())
+    assert one > 10 * gap
