@@ -426,8 +426,8 @@ def study_markdown(summary: dict[str, Any]) -> str:
             "",
             "Scenario metrics (server's model / one copy / recovered):",
             "",
-            "| defense | m | " + " | ".join(SCENARIO_METRICS) + " |",
-            "|---|---|" + "---|" * len(SCENARIO_METRICS),
+            "| defense | κ | m | " + " | ".join(SCENARIO_METRICS) + " |",
+            "|---|---|---|" + "---|" * len(SCENARIO_METRICS),
         ]
         for r in scored:
             s = r["scenario"]
@@ -435,7 +435,9 @@ def study_markdown(summary: dict[str, Any]) -> str:
                 f"{_g(server.get(k))} / {_g(s['one_copy'].get(k))} / {_g(s['recovered'].get(k))}"
                 for k in SCENARIO_METRICS
             ]
-            lines.append(f"| {r['defense']} | {r['m']} | " + " | ".join(cols) + " |")
+            lines.append(
+                f"| {r['defense']} | {r['kappa']:g} | {r['m']} | " + " | ".join(cols) + " |"
+            )
     return "\n".join(lines) + "\n"
 
 

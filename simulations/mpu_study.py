@@ -1,4 +1,4 @@
-"""MPU on tofu (MPU paper Table 1 style): Clean vs Noised vs MPU per objective, then κ and m.
+"""MPU on tofu (MPU paper Table 1 style): Clean, Noised, MPU, MPU + shared noise, then κ, m.
 
     python -m simulations.mpu_study [--objectives ga,graddiff,npo,simnpo] [--run-config "..."]
 
@@ -37,6 +37,14 @@ from strategies.secret_files import (  # noqa: E402
 
 METRICS = ("forget_quality", "forget_truth_ratio", "forget_rouge_l", "model_utility", "privleak")
 STUDY_SECRET = "fedunlearn-mpu-study"
+#: the table's modes: the baselines, MPU as published, and MPU with noise shared by a client's
+#: copies (the defense the threat-model study, ``simulations.mpu_attack``, found to hold)
+MODES = {
+    "clean": "mpu-mode='clean'",
+    "noised": "mpu-mode='noised' mpu-kappa=0.01",
+    "mpu": "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01",
+    "mpu-shared": "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01 mpu-shared-kappa=0.01",
+}
 
 
 def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
@@ -119,18 +127,18 @@ def study(
     kappas: tuple[float, ...] = (0.01, 0.05, 0.1),
     copies: tuple[int, ...] = (2, 3, 4),
     replicates: int = 1,
+    modes: tuple[str, ...] = tuple(MODES),
+    sweep_cells: bool = True,
 ) -> dict[str, Any]:
-    """Table 1 (objective × Clean / Noised / MPU m=2 κ=0.01), then κ and m sweeps on GA,
-    each randomised cell over ``replicates`` study secrets."""
+    """Table 1 (objective × ``modes``: Clean / Noised / MPU m=2 κ=0.01 / MPU with shared
+    noise κ_η=0.01), then (``sweep_cells``) κ and m sweeps on GA, each randomised cell over
+    ``replicates`` study secrets."""
     output_dir.mkdir(parents=True, exist_ok=True)
     base = f"strategy='mpu' {run_config}".strip()
     table: list[dict[str, Any]] = []
     for objective in objectives:
-        for mode, extra in (
-            ("clean", "mpu-mode='clean'"),
-            ("noised", "mpu-mode='noised' mpu-kappa=0.01"),
-            ("mpu", "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01"),
-        ):
+        for mode in modes:
+            extra = MODES[mode]
             cell = _replicated(
                 f"{base} objective='{objective}' {extra}",
                 output_dir,
@@ -140,7 +148,7 @@ def study(
             )
             table.append({"objective": objective, "mode": mode, **cell})
     sweep: list[dict[str, Any]] = []
-    for kappa in kappas:
+    for kappa in kappas if sweep_cells else ():
         for m in copies:
             if kappa != 0.01 and m != 2:
                 continue  # κ varies at m = 2, m varies at κ = 0.01
@@ -230,7 +238,7 @@ def plot_table(summary: dict[str, Any], path: Path) -> Path:
     """Clean / Noised / MPU per objective: one panel per metric, bars with ± std."""
     rows = summary["table"]
     objectives = list(dict.fromkeys(r["objective"] for r in rows))
-    modes = ("clean", "noised", "mpu")
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
     shown = [m for m in METRICS if any(r["metrics"][m] is not None for r in rows)]
     fig, axes = plt.subplots(1, len(shown), figsize=(3.6 * len(shown), 3.8), squeeze=False)
     width = 0.8 / len(modes)
@@ -242,7 +250,7 @@ def plot_table(summary: dict[str, Any], path: Path) -> Path:
             ]
             values = [(c["metrics"][metric] or 0.0) if c else 0.0 for c in cells]
             errors = [(c.get("metrics_std", {}).get(metric) or 0.0) if c else 0.0 for c in cells]
-            xs = [i + (j - 1) * width for i in range(len(objectives))]
+            xs = [i + (j - (len(modes) - 1) / 2) * width for i in range(len(objectives))]
             ax.bar(xs, values, width, yerr=errors, capsize=2, label=mode)
         reference = rows[0]["reference"].get(metric) if rows else None
         if isinstance(reference, float):
@@ -265,7 +273,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--replicates", type=int, default=1, help="study secrets per randomised cell"
     )
+    parser.add_argument(
+        "--modes", default=",".join(MODES), help=f"table modes, from {', '.join(MODES)}"
+    )
+    parser.add_argument("--no-sweep", action="store_true", help="only the table, no κ / m sweep")
     args = parser.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {unknown}; known: {', '.join(MODES)}")
     logging.getLogger("flwr").propagate = False
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"mpu-{stamp}").resolve()
@@ -274,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         args.run_config,
         output_dir,
         replicates=args.replicates,
+        modes=modes,
+        sweep_cells=not args.no_sweep,
     )
     print(study_markdown(summary))
     print(f"written to {output_dir}")
