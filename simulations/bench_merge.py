@@ -84,6 +84,7 @@ from fedunlearn.merging import (
 )
 from fedunlearn.merging._chunks import CHUNK, spans
 from fedunlearn.merging.projection import DEFAULT_SOLVER, SOLVERS
+from strategies.results import json_safe
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -907,16 +908,6 @@ def format_report(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _json_safe(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_json_safe(v) for v in x]
-    return x
-
-
 # ------------------------------------------------------------------------------------- CLI
 def _int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``minimum``."""
@@ -1063,7 +1054,9 @@ def main(argv: list[str] | None = None) -> int:
     output = args.output or REPO_ROOT / "outputs" / "bench" / f"bench_merge-{stamp}.json"
     results = run_benchmark(cfg, progress=not args.no_progress)
     output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(_json_safe(results), indent=2) + "\n", encoding="utf-8")
+    output.write_text(
+        json.dumps(json_safe(results, non_finite_as_null=True), indent=2) + "\n", encoding="utf-8"
+    )
     print(format_report(results))
     print(f"\nJSON written to {output}")
     return 0

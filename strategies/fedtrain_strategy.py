@@ -58,6 +58,7 @@ from strategies.reply_validation import (
     expected_shapes,
     load_values,
 )
+from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
 
 
@@ -135,9 +136,9 @@ class FedTrainStrategy(Strategy):
                     "public-indices": list(shard.public),
                     "total-rounds": self.num_rounds,
                     "round": server_round,
-                    "seed": int(self.client_config.get("seed", 0)) * 1000
-                    + position
-                    + 1_000_003 * (server_round - 1),
+                    "seed": client_seed(
+                        int(self.client_config.get("seed", 0)), position, server_round
+                    ),
                 }
             )
             messages.append(

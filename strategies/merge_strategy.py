@@ -56,6 +56,7 @@ from strategies.reply_validation import (
     validate_reply_content,
 )
 from strategies.results import json_safe
+from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
 
 
@@ -229,10 +230,9 @@ class MergeStrategy(Strategy):
                     "domain": assignment.domain,
                     "indices": list(assignment.indices),
                     "retain-indices": list(assignment.retain_indices),
-                    # per client and round (round 1: seed·1000 + position)
-                    "seed": int(self.client_config.get("seed", 0)) * 1000
-                    + position
-                    + 1_000_003 * (server_round - 1),
+                    "seed": client_seed(
+                        int(self.client_config.get("seed", 0)), position, server_round
+                    ),
                 }
             )
             content = self.node_content(server_round, position, arrays, node_config)

@@ -9,18 +9,23 @@ from typing import Any
 import torch
 
 
-def json_safe(value: Any) -> Any:
-    """Recursively convert tensors, numpy scalars and non-finite floats for ``json.dumps``."""
+def json_safe(value: Any, *, non_finite_as_null: bool = False) -> Any:
+    """Recursively convert tensors, numpy scalars and non-finite floats for ``json.dumps``:
+    a non-finite float becomes its name (``"inf"``, ``"nan"``: results.json keeps what the run
+    was configured with, e.g. ``epsilon = inf``), or ``None`` with ``non_finite_as_null`` (for
+    tables of measurements, where it means "not measured")."""
     if isinstance(value, Mapping):
-        return {str(k): json_safe(v) for k, v in value.items()}
+        return {
+            str(k): json_safe(v, non_finite_as_null=non_finite_as_null) for k, v in value.items()
+        }
     if isinstance(value, list | tuple):
-        return [json_safe(v) for v in value]
+        return [json_safe(v, non_finite_as_null=non_finite_as_null) for v in value]
     if isinstance(value, torch.Tensor):
-        return json_safe(value.tolist())
+        return json_safe(value.tolist(), non_finite_as_null=non_finite_as_null)
     if hasattr(value, "item") and callable(value.item):
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
+        return None if non_finite_as_null else str(value)
     return value
 
 
