@@ -25,9 +25,10 @@ SMALL_RUN = (
         # the server secret from a private file (never in the run config)
         "mpu-merge='firm' mpu-copies=2 num-rounds=2 mpu-secret-file='{secret_file}'",
         # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained, one set of
-        # copies for all three clients of the round
+        # copies for all three clients of the round, with noise shared by the copies
         "mpu-merge='sum' mpu-copies=3 finetune='full' mpu-sigma-source='task-vector' "
-        "mpu-pretrained-path='{pretrained}' save-uploads=true mpu-publish='per-round'",
+        "mpu-pretrained-path='{pretrained}' save-uploads=true mpu-publish='per-round' "
+        "mpu-shared-kappa=0.01",
         "mpu-merge='fulm' mpu-mode='noised'",
         "mpu-merge='firm' mpu-mode='clean'",
     ],
@@ -65,6 +66,10 @@ def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
     assert mpu["publish"] == config["mpu-publish"]
     assert mpu["server_seconds"]["publish"] > 0 and mpu["server_seconds"]["map_back"] > 0
     assert mpu["sigma_source"] == config["mpu-sigma-source"]
+    # the threat-model warning: MPU without noise shared by a client's copies
+    alignment_warning = any("aligns its m copies" in w for w in mpu["warnings"])
+    assert alignment_warning == (config["mpu-mode"] == "mpu" and config["mpu-shared-kappa"] == 0)
+    assert mpu["shared_kappa"] == config["mpu-shared-kappa"]
     assert all(s > 0 for s in mpu["sigma_per_layer"].values()) or config["mpu-mode"] == "clean"
     if config["finetune"] == "full":  # dense updates, not 3 copies of rank ≤ 4 mapped back
         forget = [u for u in load_uploads(path.parent / "uploads") if u.role == "forget"]
