@@ -10,7 +10,7 @@ from strategies.mpu_strategy import MpuStrategy
 NODE = 17
 
 
-def _strategy(model, mode, copies=2):
+def _strategy(model, mode, copies=2, **kwargs):
     strategy = MpuStrategy(
         merge="sum",
         model_config=model.config,
@@ -19,6 +19,7 @@ def _strategy(model, mode, copies=2):
         copies=copies,
         kappa=0.05,
         assignments=[ClientAssignment("forget", "d", (0, 1))],
+        **kwargs,
     )
     strategy.node_assignment = {NODE: strategy.assignments[0]}
     return strategy
@@ -200,16 +201,7 @@ def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(ti
     state = _state(tiny_model)
     plain = _strategy(tiny_model, "mpu")
     assert any("aligns its m copies" in w for w in plain.report()["warnings"])
-    strategy = MpuStrategy(
-        merge="sum",
-        model_config=tiny_model.config,
-        secret=b"server-secret-for-tests",
-        copies=2,
-        kappa=0.05,
-        shared_kappa=0.05,
-        assignments=[ClientAssignment("forget", "d", (0, 1))],
-    )
-    strategy.node_assignment = {NODE: strategy.assignments[0]}
+    strategy = _strategy(tiny_model, "mpu", shared_kappa=0.05)
     report = strategy.report()
     assert report["shared_kappa"] == 0.05
     assert not any("aligns its m copies" in w for w in report["warnings"])

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
+from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.mpu import (
     alphas,
     draw_transforms,
@@ -36,23 +37,13 @@ SECRET = b"alignment-test-secret"
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
-        initializer_range=0.1,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
+    config = tiny_llama_config(128, hidden_size=64, num_hidden_layers=2, intermediate_size=96)
+    model = new_tiny_llama(config, seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # norm weights as in a trained model, not HF's 1.0
         for name, p in model.named_parameters():
             if "norm" in name:
-                p.uniform_(0.5, 1.5)
+                p.copy_(0.5 + torch.rand(p.shape, generator=gen))
     return model
 
 
