@@ -20,45 +20,27 @@ gets the full model.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from clients.messages import model_from_state, rebuild_model
+from wire.delivery import (
+    BASE_KEY,
+    BASE_PROBLEM_KEY,
+    BASE_SHA_KEY,
+    DELIVERY_KEY,
+    DELTA,
+    FULL,
+    MODEL_SHA_KEY,
+    state_sha256,
+    tensor_digest,
+)
+from wire.messages import model_from_state, rebuild_model
 
-BASE_KEY = "base-checkpoint"  # node config / run config: the node's θ_base folder
-BASE_SHA_KEY = "base-sha256"  # query reply and TRAIN config: state_sha256(θ_base)
-BASE_PROBLEM_KEY = "base-problem"  # query reply: why the declared base cannot be used
-MODEL_SHA_KEY = "model-sha256"  # TRAIN config: state_sha256(θ_round)
-DELIVERY_KEY = "model-delivery"  # TRAIN config: FULL (absent) or DELTA
-FULL, DELTA = "full", "delta-from-base"
 _STATE_KEY = "base-checkpoint-hash"  # context.state: the hash, computed once per node
-
-
-def tensor_digest(values: np.ndarray) -> str:
-    """sha256 of one tensor: its dtype, its shape and its bytes (C order)."""
-    values = np.ascontiguousarray(values)
-    digest = hashlib.sha256(f"{values.dtype.str}{values.shape}|".encode())
-    digest.update(values.reshape(-1).view(np.uint8).data)
-    return digest.hexdigest()
-
-
-def state_sha256(digests: Mapping[str, str]) -> str:
-    """sha256 of a whole state from its :func:`tensor_digest` per key (sorted key order)."""
-    lines = "".join(f"{key}\t{digests[key]}\n" for key in sorted(digests))
-    return hashlib.sha256(lines.encode()).hexdigest()
-
-
-def record_digests(record: ArrayRecord, keys: list[str] | None = None) -> dict[str, str]:
-    """:func:`tensor_digest` of ``keys`` (default: all) of an ArrayRecord, decoded one at a
-    time."""
-    return {key: tensor_digest(record[key].numpy()) for key in (keys or list(record))}
 
 
 @dataclass(frozen=True)

@@ -23,13 +23,6 @@ from transformers import PreTrainedModel
 from clients.base_checkpoint import base_declaration, received_model
 from clients.fit_task import fit_reply
 from clients.local_data import client_scenario, shard
-from clients.messages import (
-    config_list,
-    config_scalar,
-    encode_client_reply,
-    rebuild_tokenizer,
-    typed_record,
-)
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
@@ -44,6 +37,13 @@ from fedunlearn.training.lora import (
     train_lora_task_vector,
 )
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
+from wire.messages import (
+    config_list,
+    config_scalar,
+    encode_client_reply,
+    rebuild_tokenizer,
+    typed_record,
+)
 
 app = ClientApp()
 

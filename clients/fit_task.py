@@ -31,7 +31,11 @@ from flwr.app import (
 )
 
 from clients.local_data import client_scenario, shard
-from clients.messages import (
+from fedunlearn.dp.dpsgd import AccountantState, DpSgdSettings, train_dp_sgd
+from fedunlearn.dp2u import examples_digest
+from fedunlearn.qa_format import encode_record
+from fedunlearn.training.full import train_full
+from wire.messages import (
     config_list,
     config_scalar,
     rebuild_model,
@@ -39,10 +43,6 @@ from clients.messages import (
     typed_record,
     wire_state,
 )
-from fedunlearn.dp.dpsgd import AccountantState, DpSgdSettings, train_dp_sgd
-from fedunlearn.dp2u import examples_digest
-from fedunlearn.qa_format import encode_record
-from fedunlearn.training.full import train_full
 
 FIT_STAGES = ("dp-base", "mlm-base", "deploy", "unlearn", "retrain")
 DROPS_FORGET = ("unlearn", "retrain")

@@ -56,7 +56,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from clients.client_app import local_update
-from clients.messages import describe_model, rebuild_model, wire_state
 from fedunlearn.models.llama import load_local_causal_lm
 from fedunlearn.models.pretrained import pretrained_checkpoint
 from fedunlearn.mpu import invert_delta, map_back
@@ -67,6 +66,7 @@ from fedunlearn.upload_codec import DecodedTensors
 from strategies.mpu_strategy import MPU_PUBLISH, MpuStrategy
 from strategies.reply_validation import validate_reply_content
 from strategies.settings import RunSettings
+from wire.messages import describe_model, rebuild_model, wire_state
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m"

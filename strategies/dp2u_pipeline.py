@@ -35,7 +35,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 
-from clients.messages import describe_model
 from fedunlearn.benchmarks.tofu import generate_background_corpus
 from fedunlearn.dp2u import DataShard, apply_forget_request, data_shards
 from fedunlearn.evaluation.distribution import truth_ratio_distances
@@ -49,6 +48,7 @@ from strategies.run_setup import RunModel, client_settings, evaluate_model, pret
 from strategies.settings import RunSettings
 from strategies.stage_cache import StageCache
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
+from wire.messages import describe_model
 
 DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
 UNLEARN_METHODS = ("ga", "graddiff", "kl", "idk")

@@ -18,7 +18,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from clients.messages import decode_client_reply
 from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
 from fedunlearn.merging.robust import apply_robust
 from fedunlearn.merging.sanity import (
@@ -58,6 +57,7 @@ from strategies.reply_validation import (
 from strategies.results import json_safe
 from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
+from wire.messages import decode_client_reply
 
 
 def drop_arrays(reply: Message) -> None:

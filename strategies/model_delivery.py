@@ -31,7 +31,9 @@ from typing import Any
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
-from clients.base_checkpoint import (
+from strategies.node_roles import NodeDeclaration
+from strategies.reply_fields import reply_bytes
+from wire.delivery import (
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
@@ -40,8 +42,6 @@ from clients.base_checkpoint import (
     record_digests,
     state_sha256,
 )
-from strategies.node_roles import NodeDeclaration
-from strategies.reply_fields import reply_bytes
 
 
 def content_bytes(content: RecordDict) -> tuple[int, int]:

@@ -33,7 +33,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
-from clients.messages import decoded_arrays
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.mpu import (
     HarmonicAggregator,
@@ -53,6 +52,7 @@ from fedunlearn.mpu import (
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
+from wire.messages import decoded_arrays
 
 MPU_MODES = ("mpu", "clean", "noised")
 #: ``mpu-publish``: fresh copies for every client, or one set of copies for the whole round.

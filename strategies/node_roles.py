@@ -36,8 +36,8 @@ from flwr.app import ConfigRecord, Message, MessageType, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 
-from clients.base_checkpoint import BASE_PROBLEM_KEY, BASE_SHA_KEY
 from fedunlearn.scenarios import ClientAssignment
+from wire.delivery import BASE_PROBLEM_KEY, BASE_SHA_KEY
 
 ROLE_KEY = "role"
 PARTITION_KEY = "partition-id"

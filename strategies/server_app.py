@@ -18,7 +18,6 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 from transformers import PreTrainedModel
 
-from clients.messages import describe_model, wire_state
 from fedunlearn.files import exclusive_folder
 from fedunlearn.models.substrate import default_cache_dir
 from fedunlearn.mpu import plan_reparam
@@ -49,6 +48,7 @@ from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
 from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
+from wire.messages import describe_model, wire_state
 
 app = ServerApp()
 

@@ -70,7 +70,7 @@ class RunSettings:
     load_in_4bit: bool = False
     cache_dir: str = ""
     # a node's local copy of the initial checkpoint (simulated nodes; a SuperNode's node config
-    # wins): it is sent only the weights that differ from it (clients.base_checkpoint)
+    # wins): it is sent only the weights that differ from it (wire.delivery)
     base_checkpoint: str = ""
     # built-in substrate (ignored with model-path)
     substrate_hidden_size: int = 192

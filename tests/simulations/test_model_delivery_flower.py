@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from clients.base_checkpoint import DELTA
 from fedunlearn.models.llama import new_tiny_llama
 from simulations import run_local
 from strategies.checkpoint import CHECKPOINT_DIR, WEIGHTS_FILE
+from wire.delivery import DELTA
 
 pytestmark = pytest.mark.slow
 

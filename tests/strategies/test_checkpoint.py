@@ -10,7 +10,6 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, Metadata
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.messages import encode_client_reply
 from fedunlearn.scenarios import ClientAssignment
 from strategies import checkpoint as checkpoint_module
 from strategies.checkpoint import (
@@ -21,6 +20,7 @@ from strategies.checkpoint import (
 )
 from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
+from wire.messages import encode_client_reply
 
 CONFIG = {"strategy": "mpu", "gamma": 2.0, "num-rounds": 3, "output-dir": "/a", "mpu-secret": ""}
 

@@ -7,22 +7,21 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
-from clients.base_checkpoint import (
-    BASE_SHA_KEY,
-    DELIVERY_KEY,
-    DELTA,
-    MODEL_SHA_KEY,
-    load_base,
-    received_model,
-    record_digests,
-    state_sha256,
-)
+from clients.base_checkpoint import load_base, received_model
 from clients.client_app import app as client_app
-from clients.messages import describe_model, wire_state
 from fedunlearn.models.llama import new_tiny_llama
 from fedunlearn.scenarios import ClientAssignment
 from strategies.merge_strategy import MergeStrategy
 from strategies.node_roles import declaration_from_record
+from wire.delivery import (
+    BASE_SHA_KEY,
+    DELIVERY_KEY,
+    DELTA,
+    MODEL_SHA_KEY,
+    record_digests,
+    state_sha256,
+)
+from wire.messages import describe_model, wire_state
 
 ASSIGNMENTS = [ClientAssignment("forget", "d", (0, 1)), ClientAssignment("retain", "r", (2,))]
 CHANGED = ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight")

@@ -10,7 +10,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, Error, Message
 
-from clients.messages import encode_client_reply
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.scenarios import ClientAssignment
 from strategies.merge_strategy import MergeStrategy
@@ -23,6 +22,7 @@ from strategies.reply_validation import (
     merge_needs_fisher,
 )
 from tests.strategies.replies import reply_metadata
+from wire.messages import encode_client_reply
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"

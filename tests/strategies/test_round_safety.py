@@ -13,7 +13,6 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
-from clients.messages import encode_client_reply
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
@@ -22,6 +21,7 @@ from strategies.mpu_strategy import MpuStrategy
 from strategies.reply_validation import RoundFailedError
 from strategies.settings import RunSettings
 from tests.strategies.replies import reply_metadata
+from wire.messages import encode_client_reply
 
 CONFIG = tiny_llama_config(64, hidden_size=16, num_hidden_layers=1, intermediate_size=32)
 STATE = {k: v.detach().clone() for k, v in new_tiny_llama(CONFIG, seed=0).state_dict().items()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 from flwr.app import ArrayRecord, Message
 
-from clients.messages import encode_client_reply
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.upload_codec import (
     LowRankDelta,
@@ -17,6 +16,7 @@ from fedunlearn.upload_codec import (
 from strategies.merge_strategy import MergeStrategy
 from strategies.upload_spool import UploadSpool
 from tests.strategies.replies import reply_metadata
+from wire.messages import encode_client_reply
 
 Q = "model.layers.0.self_attn.q_proj.weight"
 DOWN = "model.layers.0.mlp.down_proj.weight"

@@ -5,7 +5,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from clients.messages import describe_model, rebuild_model, wire_state
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.qa_format import encode_qa
@@ -15,6 +14,7 @@ from fedunlearn.training.lora import (
     adapted_parameter_names,
     train_lora_task_vector,
 )
+from wire.messages import describe_model, rebuild_model, wire_state
 
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
 

@@ -8,7 +8,6 @@ import torch
 from flwr.app import ConfigRecord
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from clients.messages import describe_model, rebuild_tokenizer
 from fedunlearn.models import pretrained
 from fedunlearn.models.pretrained import (
     PretrainedMissingError,
@@ -17,6 +16,7 @@ from fedunlearn.models.pretrained import (
     gguf_path,
 )
 from fedunlearn.qa_format import encode_qa, prompt_text
+from wire.messages import describe_model, rebuild_tokenizer
 
 PROMPT = "Who wrote the novel 'Pride and Prejudice'?"
 

@@ -4,14 +4,14 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 
-from clients.messages import (
+from fedunlearn.models.llama import load_local_causal_lm
+from wire.messages import (
     decode_client_reply,
     describe_model,
     encode_client_reply,
     rebuild_model,
     rebuild_tokenizer,
 )
-from fedunlearn.models.llama import load_local_causal_lm
 
 
 def test_rebuilt_model_and_tokenizer_are_identical(tiny_model, tiny_tokenizer):

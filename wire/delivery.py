@@ -1,0 +1,43 @@
+"""What travels between server and node when a node holds the base checkpoint θ_base.
+
+The record keys of that exchange and the hash both sides compute over a state: a sha256 per
+tensor over its dtype, shape and bytes (:func:`tensor_digest`), then one sha256 over
+``key<TAB>digest`` lines in sorted key order (:func:`state_sha256`), so either side rehashes
+only the tensors that changed. How a node declares and loads its base is
+:mod:`clients.base_checkpoint`; what the server sends is :mod:`strategies.model_delivery`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping
+
+import numpy as np
+from flwr.app import ArrayRecord
+
+BASE_KEY = "base-checkpoint"  # node config / run config: the node's θ_base folder
+BASE_SHA_KEY = "base-sha256"  # query reply and TRAIN config: state_sha256(θ_base)
+BASE_PROBLEM_KEY = "base-problem"  # query reply: why the declared base cannot be used
+MODEL_SHA_KEY = "model-sha256"  # TRAIN config: state_sha256(θ_round)
+DELIVERY_KEY = "model-delivery"  # TRAIN config: FULL (absent) or DELTA
+FULL, DELTA = "full", "delta-from-base"
+
+
+def tensor_digest(values: np.ndarray) -> str:
+    """sha256 of one tensor: its dtype, its shape and its bytes (C order)."""
+    values = np.ascontiguousarray(values)
+    digest = hashlib.sha256(f"{values.dtype.str}{values.shape}|".encode())
+    digest.update(values.reshape(-1).view(np.uint8).data)
+    return digest.hexdigest()
+
+
+def state_sha256(digests: Mapping[str, str]) -> str:
+    """sha256 of a whole state from its :func:`tensor_digest` per key (sorted key order)."""
+    lines = "".join(f"{key}\t{digests[key]}\n" for key in sorted(digests))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def record_digests(record: ArrayRecord, keys: list[str] | None = None) -> dict[str, str]:
+    """:func:`tensor_digest` of ``keys`` (default: all) of an ArrayRecord, decoded one at a
+    time."""
+    return {key: tensor_digest(record[key].numpy()) for key in (keys or list(record))}
