@@ -43,6 +43,7 @@ from wire.messages import (
     encode_client_reply,
     rebuild_tokenizer,
     typed_record,
+    wire_metrics,
 )
 
 app = ClientApp()
@@ -149,7 +150,7 @@ def train(msg: Message, context: Context) -> Message:
     metrics = {
         **outputs[-1][2],
         "fisher-seconds": sum(o[2]["fisher-seconds"] for o in outputs),
-        "train_seconds": sum(o[2]["train_seconds"] for o in outputs),
+        "train-seconds": sum(o[2]["train-seconds"] for o in outputs),
         "total-seconds": time.perf_counter() - started,
         "task-vector-norm": outputs[-1][2]["task-vector-norm"],
         **{
@@ -229,7 +230,7 @@ def local_update(
         raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
     tv_parts, fisher_parts, sizes = encode_upload(task_vector, fisher, config)
     metrics = {
-        **stats,
+        **wire_metrics(stats),
         **sizes,
         "fisher-seconds": fisher_seconds,
         "task-vector-norm": task_vector_norm(task_vector),

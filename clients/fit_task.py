@@ -136,7 +136,7 @@ def fit_reply(msg: Message, context: Context) -> Message:
                 "epsilon-spent": float(stats["epsilon_spent"]),
                 "delta": settings.delta,
                 "noise-multiplier": float(stats["noise_multiplier"]),
-                "loss_last": float(stats["loss_last"]),
+                "loss-last": float(stats["loss_last"]),
                 "steps": float(stats["steps"]),
             }
         )
@@ -151,7 +151,7 @@ def fit_reply(msg: Message, context: Context) -> Message:
             seed=seed,
             show_progress=False,
         )
-        metrics["loss_last"] = float(losses[-1])
+        metrics["loss-last"] = float(losses[-1])
     metrics.update(
         {
             "num-examples": float(len(examples)),

@@ -73,10 +73,10 @@ REPLY_METRICS: dict[str, MetricRule] = {
     "bytes-dense": MetricRule("bytes_dense", "count", 0, MAX_REPORTED),
     "task-vector-norm": MetricRule("task_vector_norm", low=0),
     "total-seconds": MetricRule("seconds", low=0, high=MAX_REPORTED),
-    "train_seconds": MetricRule("train_seconds", low=0, high=MAX_REPORTED),
+    "train-seconds": MetricRule("train_seconds", low=0, high=MAX_REPORTED),
     "fisher-seconds": MetricRule("fisher_seconds", low=0, high=MAX_REPORTED),
-    "loss_first": MetricRule("loss_first"),
-    "loss_last": MetricRule("loss_last"),
+    "loss-first": MetricRule("loss_first"),
+    "loss-last": MetricRule("loss_last"),
     "cuda": MetricRule("cuda", "flag"),
     "peak-rss-mb": MetricRule("peak_rss_mb", low=0, high=MAX_REPORTED),
 }

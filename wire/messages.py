@@ -141,6 +141,13 @@ def rebuild_tokenizer(config: ConfigRecord) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
+def wire_metrics(stats: Mapping[str, float]) -> dict[str, float]:
+    """Training statistics under the names they travel by: words joined by ``-``
+    (``train_seconds`` → ``train-seconds``), as every metric of a reply; the server reports
+    each under its name with ``_`` (``strategies.reply_fields``)."""
+    return {name.replace("_", "-"): float(value) for name, value in stats.items()}
+
+
 def encode_client_reply(
     *,
     role: str,

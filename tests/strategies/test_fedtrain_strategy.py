@@ -53,7 +53,7 @@ def _reply(node: int, *, weights=None, metrics=None, info=None) -> Message:
             "metrics": MetricRecord(
                 {
                     "num-examples": float(len(SHARDS[position].training)),
-                    "loss_last": 1.5,
+                    "loss-last": 1.5,
                     "total-seconds": 2.0,
                     **(metrics or {}),
                 }
@@ -116,7 +116,7 @@ def test_num_examples_is_bounded_by_the_records_the_client_was_given(value, prob
 @pytest.mark.parametrize(
     ("reply", "problem"),
     [
-        (_reply(23, metrics={"loss_last": math.nan}), "'loss_last' is nan"),
+        (_reply(23, metrics={"loss-last": math.nan}), "'loss-last' is nan"),
         (_reply(23, metrics={"epsilon-spent": [1.0]}), "'epsilon-spent' is a list"),
         (_reply(23, info={"examples-digest": 7}), "'examples-digest' is 7, not a string"),
         (_reply(23, info={"stage": "unlearn"}), "replied for stage 'unlearn'"),

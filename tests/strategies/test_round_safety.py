@@ -53,10 +53,10 @@ def _metrics(**changes: float | list) -> dict:
         "bytes-sent": 1024.0,
         "task-vector-norm": 0.1,
         "total-seconds": 1.5,
-        "train_seconds": 1.0,
+        "train-seconds": 1.0,
         "fisher-seconds": 0.2,
-        "loss_first": 2.5,
-        "loss_last": 3.5,
+        "loss-first": 2.5,
+        "loss-last": 3.5,
         "cuda": 0.0,
     }
     metrics.update(changes)
@@ -114,7 +114,7 @@ def _merged_without(strategy: MergeStrategy, replies: list[Message], node: int) 
     ("field", "value", "problem"),
     [
         ("bytes-sent", math.nan, "'bytes-sent' is nan, not a finite number"),
-        ("loss_last", math.inf, "'loss_last' is inf, not a finite number"),
+        ("loss-last", math.inf, "'loss-last' is inf, not a finite number"),
         ("total-seconds", -3.0, "'total-seconds' is -3, outside [0"),
         ("cuda", 0.5, "'cuda' must be 0 or 1"),
         ("bytes-sent", [1.0, 2.0], "'bytes-sent' is a list, not a number"),

@@ -91,3 +91,17 @@ def test_local_checkpoint_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_local_causal_lm(tmp_path / "empty")
+
+
+def test_training_statistics_travel_with_dashes_and_are_reported_with_underscores() -> None:
+    """One spelling per side: ``wire_metrics`` names a client's statistics as they travel,
+    the server's rules report them under the snake-case names of results.json."""
+    from strategies.reply_fields import REPLY_METRICS, parse_metrics
+    from wire.messages import wire_metrics
+
+    stats = {"train_seconds": 1.5, "loss_first": 2.0, "loss_last": 1.0}
+    sent = wire_metrics(stats)
+    assert sent == {"train-seconds": 1.5, "loss-first": 2.0, "loss-last": 1.0}
+    assert all("_" not in name for name in REPLY_METRICS)
+    reported = parse_metrics(7, {"num-examples": 3, **sent}, REPLY_METRICS)
+    assert {k: reported[k] for k in stats} == stats
