@@ -38,6 +38,7 @@ from fedunlearn.training.lora import (
 )
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
 from wire.messages import (
+    FIT_ACTION,
     config_list,
     config_scalar,
     encode_client_reply,
@@ -80,6 +81,12 @@ def query(msg: Message, context: Context) -> Message:
     return Message(content=RecordDict({"node-info": ConfigRecord(info)}), reply_to=msg)
 
 
+@app.train(FIT_ACTION)
+def fit(msg: Message, context: Context) -> Message:
+    """One round of a DP2Unlearning stage's federated training (``train.fit`` messages)."""
+    return fit_reply(msg, context)
+
+
 @app.train()
 def train(msg: Message, context: Context) -> Message:
     """Fisher at the received weights, then LoRA training with the role's objective.
@@ -89,8 +96,6 @@ def train(msg: Message, context: Context) -> Message:
     """
     owner = f"node {context.node_id}"
     config = typed_record(msg.content, "config", ConfigRecord, owner)
-    if str(config.get("task", "unlearn")) == "fit":  # DP2Unlearning's federated training
-        return fit_reply(msg, context)
     role = str(config["role"])
     if role not in ROLES:
         raise ValueError(f"node {context.node_id}: unknown role {role!r} (expected {ROLES})")

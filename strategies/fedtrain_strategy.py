@@ -22,7 +22,7 @@ from logging import INFO, WARNING
 from typing import Any, cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord, RecordDict
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -60,6 +60,7 @@ from strategies.reply_validation import (
 )
 from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
+from wire.messages import FIT_MESSAGE_TYPE
 
 
 class FedTrainStrategy(Strategy):
@@ -129,7 +130,6 @@ class FedTrainStrategy(Strategy):
             node_config = ConfigRecord(
                 {
                     **self.client_config,
-                    "task": "fit",
                     "stage": self.stage,
                     "indices": list(shard.training),
                     "forget-indices": list(shard.forget),
@@ -144,7 +144,7 @@ class FedTrainStrategy(Strategy):
             messages.append(
                 Message(
                     content=RecordDict({"arrays": arrays, "config": node_config}),
-                    message_type=MessageType.TRAIN,
+                    message_type=FIT_MESSAGE_TYPE,
                     dst_node_id=node_id,
                     group_id=f"{self.stage}-{server_round}",
                 )

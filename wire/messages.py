@@ -22,6 +22,7 @@ from flwr.app import (
     ConfigRecord,
     ConfigScalar,
     ConfigScalarList,
+    MessageType,
     MetricRecord,
     RecordDict,
 )
@@ -139,6 +140,12 @@ def rebuild_tokenizer(config: ConfigRecord) -> PreTrainedTokenizerFast:
     if template:
         tokenizer.chat_template = template
     return tokenizer
+
+
+#: The ClientApp's train actions: Flower routes ``train`` (its default action) to one
+#: unlearning round and ``train.fit`` to one round of a DP2Unlearning stage's FedAvg training.
+FIT_ACTION = "fit"
+FIT_MESSAGE_TYPE = f"{MessageType.TRAIN}.{FIT_ACTION}"
 
 
 def wire_metrics(stats: Mapping[str, float]) -> dict[str, float]:
