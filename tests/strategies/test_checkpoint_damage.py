@@ -1,7 +1,7 @@
 """A damaged or foreign checkpoint folder is refused and never deleted; one run per output-dir.
 
-Real files damaged on disk, the real ``_open_checkpoint`` of the ServerApp, and for the
-output-dir lock a second real process.
+Real files damaged on disk, the real ``open_checkpoint`` of the ServerApp's unlearn pipeline,
+and for the output-dir lock a second real process.
 """
 
 import json
@@ -18,8 +18,8 @@ from flwr.app import Context, RecordDict
 from fedunlearn.files import FolderInUseError, exclusive_folder
 from strategies import server_app
 from strategies.checkpoint import CHECKPOINT_DIR, MARKER_FILE, CheckpointError
-from strategies.server_app import _open_checkpoint
 from strategies.settings import RunSettings
+from strategies.unlearn_pipeline import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
@@ -37,7 +37,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 def _saved_run(output_dir: Path, model) -> tuple[RunSettings, dict[str, bytes]]:
     """A run that finished round 1 and stored a fresh MPU secret; its checkpoint files."""
     settings = _settings(output_dir)
-    checkpoint, done, _, _ = _open_checkpoint(settings, output_dir, model)
+    checkpoint, done, _, _ = open_checkpoint(settings, output_dir, model)
     assert done == 0
     checkpoint.save(1, model.state_dict(), {"clients": []})
     checkpoint.mpu_secret("")
@@ -49,7 +49,7 @@ def test_a_truncated_state_is_an_error_and_nothing_is_deleted(tmp_path, tiny_mod
     folder = tmp_path / CHECKPOINT_DIR
     (folder / "state.json").write_bytes(saved["state.json"][:40])
     with pytest.raises(CheckpointError, match=r"state\.json is unreadable.*resume=false"):
-        _open_checkpoint(settings, tmp_path, tiny_model)
+        open_checkpoint(settings, tmp_path, tiny_model)
     after = _files(folder)
     assert after["weights.safetensors"] == saved["weights.safetensors"]
     assert after["mpu-secret"] == saved["mpu-secret"]
@@ -61,7 +61,7 @@ def test_same_size_corrupted_weights_are_an_error_naming_the_file(tmp_path, tiny
     damaged = saved["weights.safetensors"][:-8] + b"\xff" * 8  # NaN in the last tensor
     weights.write_bytes(damaged)
     with pytest.raises(CheckpointError, match=rf"{weights} differs from the sha256"):
-        _open_checkpoint(settings, tmp_path, tiny_model)
+        open_checkpoint(settings, tmp_path, tiny_model)
     assert weights.read_bytes() == damaged
 
 
@@ -70,9 +70,9 @@ def test_missing_weights_and_an_altered_secret_are_errors(tmp_path, tiny_model):
     folder = tmp_path / CHECKPOINT_DIR
     (folder / "weights.safetensors").unlink()
     with pytest.raises(CheckpointError, match=r"weights\.safetensors is missing"):
-        _open_checkpoint(settings, tmp_path, tiny_model)
+        open_checkpoint(settings, tmp_path, tiny_model)
     (folder / "weights.safetensors").write_bytes(saved["weights.safetensors"])
-    checkpoint, done, _, _ = _open_checkpoint(settings, tmp_path, tiny_model)
+    checkpoint, done, _, _ = open_checkpoint(settings, tmp_path, tiny_model)
     assert done == 1
     record = json.loads(saved["mpu-secret"])
     flipped = "0" if record["secret"][0] != "0" else "1"
@@ -89,7 +89,7 @@ def test_a_folder_the_project_did_not_write_is_never_deleted(tmp_path, tiny_mode
     folder.mkdir()
     (folder / "notes.txt").write_text("mine")
     with pytest.raises(CheckpointError, match=rf"{folder} exists and is not a fedunlearn"):
-        _open_checkpoint(_settings(tmp_path, resume=resume), tmp_path, tiny_model)
+        open_checkpoint(_settings(tmp_path, resume=resume), tmp_path, tiny_model)
     assert _files(folder) == {"notes.txt": b"mine"}
 
 
@@ -99,15 +99,15 @@ def test_resume_false_clears_only_the_files_the_checkpoint_listed(tmp_path, tiny
     (folder / "my-plot.png").write_bytes(b"png")
     fresh = _settings(tmp_path, resume=False)
     with pytest.raises(CheckpointError, match=r"files the checkpoint did not write \(my-plot"):
-        _open_checkpoint(fresh, tmp_path, tiny_model)
+        open_checkpoint(fresh, tmp_path, tiny_model)
     assert _files(folder) == {**saved, "my-plot.png": b"png"}  # nothing removed
 
     (folder / "my-plot.png").unlink()
-    checkpoint, done, state, _ = _open_checkpoint(fresh, tmp_path, tiny_model)
+    checkpoint, done, state, _ = open_checkpoint(fresh, tmp_path, tiny_model)
     assert (done, state) == (0, None)
     assert sorted(_files(folder)) == [MARKER_FILE]  # weights, state and secret went
     checkpoint.save(1, tiny_model.state_dict(), {})
-    assert _open_checkpoint(settings, tmp_path, tiny_model)[1] == 1
+    assert open_checkpoint(settings, tmp_path, tiny_model)[1] == 1
 
 
 HOLDER = """

@@ -1,0 +1,285 @@
+"""The ``unlearn`` pipeline of the ServerApp: evaluate, federate, evaluate again.
+
+Multi-round runs resume from ``<output-dir>/checkpoint``; the strategy is the merge the run
+config names (:class:`~strategies.merge_strategy.MergeStrategy`), or MPU around it.
+"""
+
+from __future__ import annotations
+
+import copy
+import resource
+import time
+from logging import INFO
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from flwr.app import ArrayRecord, ConfigRecord
+from flwr.common.logger import log
+from flwr.serverapp import Grid
+from transformers import PreTrainedModel
+
+from fedunlearn.models.substrate import default_cache_dir
+from fedunlearn.uploads import save_uploads
+from strategies.checkpoint import (
+    CHECKPOINT_DIR,
+    CheckpointError,
+    RunCheckpoint,
+    config_fingerprint,
+    model_structure,
+)
+from strategies.eval_cache import cached_evaluation, evaluation_key
+from strategies.memory import peak_rss_bytes
+from strategies.merge_strategy import MergeStrategy
+from strategies.mpu_strategy import MpuStrategy
+from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
+from strategies.secret_files import given_secret
+from strategies.settings import RunSettings
+from strategies.streaming_grid import StreamingGrid
+from strategies.upload_spool import SPOOL_DIR, UploadSpool
+from wire.messages import describe_model, wire_state
+
+
+def run_unlearning(
+    grid: Grid,
+    settings: RunSettings,
+    run_model: RunModel,
+    output_dir: Path,
+    phases: dict[str, Any],
+    run_started: float,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The ``unlearn`` pipeline: evaluate, run the federated rounds of the merge strategy
+    (resuming from ``<output-dir>/checkpoint``), evaluate the unlearned model; returns the
+    results and the metrics. ``phases`` collects the seconds of each phase."""
+    model = run_model.model
+    checkpoint, done, resumed_state, resumed_record = open_checkpoint(settings, output_dir, model)
+
+    t0 = time.perf_counter()
+    metrics = evaluate_before(settings, run_model)
+    reference_metrics = metrics.get("reference")
+    phases["evaluation_before"] = time.perf_counter() - t0
+
+    strategy = build_strategy(settings, run_model, checkpoint, done, output_dir)
+    t0 = time.perf_counter()
+    final_state, record = federate(
+        grid, strategy, settings, model, done, resumed_state, resumed_record
+    )
+    phases["federated_round"] = time.perf_counter() - t0
+
+    unlearned = copy.deepcopy(model)
+    unlearned.load_state_dict(final_state)
+    applied_error = (
+        applied_update_error(model, unlearned, strategy.last_merge.delta)
+        if strategy.last_merge
+        else None
+    )
+    t0 = time.perf_counter()
+    if settings.evaluate:
+        metrics["after"] = evaluate_model(
+            "unlearned", unlearned, run_model, settings, reference_metrics
+        )
+    phases["evaluation_after"] = time.perf_counter() - t0
+    phases["total"] = time.perf_counter() - run_started
+
+    results = {
+        "config": settings.as_dict(),
+        "metrics": metrics,
+        "clients": record["clients"],
+        "merge": {**record["merge"], "applied_relative_error": applied_error},
+        "substrate": run_model.info,
+        **({"mpu": record["mpu"]} if "mpu" in record else {}),
+        "assignments": record["assignments"],
+        "seconds": phases,
+        "server_peak_rss_mb": peak_rss_mb(),
+        **({"resumed_from_round": done} if done else {}),
+    }
+    if settings.save_uploads and strategy.last_updates:
+        results["uploads"] = str(save_uploads(strategy.last_updates, output_dir / "uploads"))
+    elif settings.save_uploads:
+        log(INFO, "no round ran in this process: the uploads of the last round are not saved")
+    if strategy.spool is not None:
+        strategy.spool.clear()
+    phases["server_peak_rss_bytes"] = peak_rss_bytes()
+    return results, metrics
+
+
+def federate(
+    grid: Grid,
+    strategy: MergeStrategy,
+    settings: RunSettings,
+    model: torch.nn.Module,
+    done: int,
+    resumed_state: dict[str, torch.Tensor] | None,
+    resumed_record: dict[str, Any],
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from θ (or the resumed weights):
+    the final weights and the strategy's record; with every round done before, the saved ones."""
+    final_state: dict[str, torch.Tensor]
+    if done < settings.num_rounds:
+        result = strategy.start(
+            # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
+            grid=(
+                cast(Grid, StreamingGrid(grid, strategy.receive_reply))
+                if settings.stream_uploads
+                else grid
+            ),
+            initial_arrays=(
+                ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
+            ),
+            num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+            timeout=settings.round_timeout,
+            train_config=ConfigRecord(),
+        )
+        final_state = result.arrays.to_torch_state_dict()
+        record = strategy.round_record()
+    else:
+        log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
+        assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
+        final_state, record = resumed_state, resumed_record
+    return final_state, record
+
+
+def evaluate_before(settings: RunSettings, run_model: RunModel) -> dict[str, Any]:
+    """``reference`` (when the scenario has one) and ``before`` metrics; {} with
+    ``evaluate=false``."""
+    metrics: dict[str, Any] = {}
+    if not settings.evaluate:
+        log(INFO, "evaluate=false: the model is not evaluated before or after")
+        return metrics
+    if run_model.reference is not None:
+        metrics["reference"] = baseline_evaluation(
+            "reference", run_model.reference, run_model, settings
+        )
+    metrics["before"] = baseline_evaluation(
+        "original", run_model.model, run_model, settings, metrics.get("reference")
+    )
+    return metrics
+
+
+def build_strategy(
+    settings: RunSettings,
+    run_model: RunModel,
+    checkpoint: RunCheckpoint,
+    done: int,
+    output_dir: Path,
+) -> MergeStrategy:
+    """The merge strategy of ``strategy`` (MPU around ``mpu-merge`` with ``strategy=mpu``),
+    configured for this run's clients, checkpoint and resume point."""
+    model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
+    assignments = scenario.assignments()
+    client_config = {
+        **describe_model(model, tokenizer),
+        **client_settings(settings),
+    }
+    common: dict[str, Any] = {
+        "merge_parameters": settings.merge_parameters(),
+        "assignments": assignments,
+        "client_config": client_config,
+        "role_config": {
+            "forget": {"steps": settings.forget_steps, "lr": settings.forget_lr},
+            "retain": {"steps": settings.retain_steps, "lr": settings.retain_lr},
+        },
+        "node_wait_timeout": settings.node_wait_timeout,
+        "min_replies": settings.min_replies,
+        "max_upload_mb": settings.max_upload_mb,
+        "robust_norm_bound": settings.robust_norm_bound,
+        "fisher_cap": settings.fisher_cap,
+        "client_norm_ratio": settings.client_norm_ratio,
+        "max_update_ratio": settings.max_update_ratio,
+        "checkpoint": checkpoint,
+        "round_offset": done,
+        "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.stream_uploads else None,
+    }
+    if settings.strategy == "mpu":
+        strategy: MergeStrategy = MpuStrategy(
+            merge=settings.mpu_merge,
+            model_config=model.config,
+            # the file's secret or $FEDUNLEARN_MPU_SECRET; a fresh one is kept for a resume
+            secret=checkpoint.mpu_secret(given_secret(settings.mpu_secret_file)),
+            mode=settings.mpu_mode,
+            copies=settings.mpu_copies,
+            publish=settings.mpu_publish,
+            kappa=settings.mpu_kappa,
+            permute_groups=settings.mpu_permute_groups,
+            shared_kappa=settings.mpu_shared_kappa,
+            server_lr=settings.mpu_server_lr,
+            sigma_reference=(
+                pretrained_state(settings, run_model)
+                if settings.mpu_sigma_source == "task-vector"
+                else None
+            ),
+            **common,
+        )
+    else:
+        strategy = MergeStrategy(merge=settings.strategy, **common)
+    return strategy
+
+
+def baseline_evaluation(
+    name: str,
+    model: PreTrainedModel,
+    run_model: RunModel,
+    settings: RunSettings,
+    reference_metrics: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``evaluate_model`` of a model the run does not change (original, reference); with a
+    real model the result is cached across runs (``strategies.eval_cache``)."""
+
+    def evaluate() -> dict[str, Any]:
+        return evaluate_model(name, model, run_model, settings, reference_metrics)
+
+    if settings.model == "builtin" and not settings.model_path:
+        return evaluate()
+    cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
+    key = evaluation_key(model, settings, reference_metrics, settings.mmlu_folder())
+    return cached_evaluation(cache_dir or default_cache_dir(), key, name, evaluate)
+
+
+def peak_rss_mb() -> float:
+    """The server process's peak resident memory so far (``ru_maxrss``, MiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def open_checkpoint(
+    settings: RunSettings, output_dir: Path, model: torch.nn.Module
+) -> tuple[RunCheckpoint, int, dict[str, torch.Tensor] | None, dict[str, Any]]:
+    """The run's checkpoint and what it resumes from: ``(checkpoint, finished rounds, their
+    weights, their results record)``. Without a saved round, or with ``resume=false``, the
+    checkpoint's own files are removed (a fresh start). A checkpoint of another config, a
+    damaged one and a folder the project did not write raise ``CheckpointError`` (nothing is
+    deleted)."""
+    config = settings.as_dict()
+    checkpoint = RunCheckpoint(
+        output_dir / CHECKPOINT_DIR,
+        config_fingerprint(config, model_structure(model.state_dict())),
+        config,
+    )
+    loaded = checkpoint.load() if settings.resume else None
+    if loaded is None:
+        if not settings.resume and checkpoint.state_path.exists():
+            log(INFO, "resume=false: removing the checkpoint files in %s", checkpoint.folder)
+        checkpoint.clear()
+        checkpoint.claim()
+        return checkpoint, 0, None, {}
+    done, state, record = loaded
+    if done > settings.num_rounds:
+        raise CheckpointError(
+            f"{checkpoint.folder} holds round {done}, more than num-rounds={settings.num_rounds}; "
+            "set num-rounds >= that, use another output-dir, or resume=false to start afresh"
+        )
+    log(INFO, "resuming after round %d of %d from %s", done, settings.num_rounds, checkpoint.folder)
+    return checkpoint, done, state, record
+
+
+def applied_update_error(
+    original: torch.nn.Module, unlearned: torch.nn.Module, delta: dict[str, torch.Tensor]
+) -> float:
+    """‖(θ_unlearned − θ₀) − Δ‖ / ‖Δ‖: how much of the merged update the model's dtype kept
+    (0 in float32; a bfloat16 model rounds small entries of Δ away)."""
+    before, after = original.state_dict(), unlearned.state_dict()
+    num, den = 0.0, 0.0
+    for name, d in delta.items():
+        applied = after[name].double().cpu() - before[name].double().cpu()
+        num += float(((applied - d.double()) ** 2).sum())
+        den += float((d.double() ** 2).sum())
+    return (num / den) ** 0.5 if den > 0 else 0.0
