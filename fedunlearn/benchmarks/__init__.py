@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from fedunlearn.registry import Registry
+
 F = TypeVar("F", bound=Callable[..., Any])
 
-BENCHMARKS: dict[str, Callable[..., Any]] = {}
+BENCHMARKS: Registry[Callable[..., Any]] = Registry("benchmark")
 
 
 def register_benchmark(name: str) -> Callable[[F], F]:
@@ -20,13 +22,11 @@ def register_benchmark(name: str) -> Callable[[F], F]:
 
     Raises ``ValueError`` if ``name`` is empty or already taken.
     """
-    if not name:
-        raise ValueError("benchmark name must be a non-empty string")
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a benchmark name must be a non-empty string, got {name!r}")
 
     def decorator(fn: F) -> F:
-        if name in BENCHMARKS:
-            raise ValueError(f"benchmark {name!r} is already registered")
-        BENCHMARKS[name] = fn
+        BENCHMARKS.add(name, fn)
         return fn
 
     return decorator
@@ -34,11 +34,7 @@ def register_benchmark(name: str) -> Callable[[F], F]:
 
 def get_benchmark(name: str) -> Callable[..., Any]:
     """Builder registered under ``name``; ``KeyError`` naming the known benchmarks otherwise."""
-    try:
-        return BENCHMARKS[name]
-    except KeyError:
-        available = ", ".join(sorted(BENCHMARKS)) or "<none>"
-        raise KeyError(f"unknown benchmark {name!r}; available: {available}") from None
+    return BENCHMARKS[name]
 
 
 # Imported last so the builders can use ``register_benchmark`` defined above.

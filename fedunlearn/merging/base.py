@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from fedunlearn.registry import Registry
+
 ROLES: tuple[str, ...] = ("forget", "retain")
 
 
@@ -163,32 +165,17 @@ def validate_updates(updates: Sequence[ClientUpdate]) -> list[str]:
 MergeFn = Callable[..., MergeResult]
 
 #: Registry of merge functions by name (filled by :func:`register_merge`).
-MERGES: dict[str, MergeFn] = {}
+MERGES: Registry[MergeFn] = Registry("merge")
 
 
 def register_merge(name: str) -> Callable[[MergeFn], MergeFn]:
     """Decorator registering a merge function under ``name``; a duplicate name is an error."""
-    if not isinstance(name, str) or not name:
-        raise ValueError("a merge name must be a non-empty string")
-
-    def decorator(fn: MergeFn) -> MergeFn:
-        if name in MERGES:
-            raise ValueError(
-                f"a merge named {name!r} is already registered ({MERGES[name].__module__}."
-                f"{MERGES[name].__qualname__})"
-            )
-        MERGES[name] = fn
-        return fn
-
-    return decorator
+    return MERGES.register(name)
 
 
 def get_merge(name: str) -> MergeFn:
     """Return the merge function registered as ``name`` (``KeyError`` lists available names)."""
-    try:
-        return MERGES[name]
-    except KeyError:
-        raise KeyError(f"unknown merge {name!r}; available: {sorted(MERGES)}") from None
+    return MERGES[name]
 
 
 def apply_delta(

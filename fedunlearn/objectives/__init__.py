@@ -18,9 +18,11 @@ from typing import Any
 import torch
 from peft import PeftModel
 
+from fedunlearn.registry import Registry
+
 ObjectiveFn = Callable[[torch.nn.Module, dict[str, torch.Tensor], "ObjectiveContext"], torch.Tensor]
 
-OBJECTIVES: dict[str, ObjectiveFn] = {}
+OBJECTIVES: Registry[ObjectiveFn] = Registry("objective")
 
 
 @dataclass(frozen=True)
@@ -85,9 +87,7 @@ def register_objective(
     """Register ``fn`` under ``name`` with its data requirements; a name can be registered once."""
 
     def decorator(fn: ObjectiveFn) -> ObjectiveFn:
-        if name in OBJECTIVES:
-            raise ValueError(f"objective {name!r} is already registered")
-        OBJECTIVES[name] = fn
+        OBJECTIVES.add(name, fn)
         _SPECS[name] = ObjectiveSpec(
             needs_retain=needs_retain,
             needs_alternate=needs_alternate,
@@ -98,24 +98,15 @@ def register_objective(
     return decorator
 
 
-def _unknown(name: str) -> KeyError:
-    return KeyError(f"unknown objective {name!r}; available: {', '.join(sorted(OBJECTIVES))}")
-
-
 def get_objective(name: str) -> ObjectiveFn:
     """The objective registered under ``name``."""
-    try:
-        return OBJECTIVES[name]
-    except KeyError:
-        raise _unknown(name) from None
+    return OBJECTIVES[name]
 
 
 def objective_requirements(name: str) -> ObjectiveSpec:
     """The data requirements of the objective registered under ``name``."""
-    try:
-        return _SPECS[name]
-    except KeyError:
-        raise _unknown(name) from None
+    OBJECTIVES[name]  # an unknown name raises the registry's KeyError
+    return _SPECS[name]
 
 
 def reference_outputs(

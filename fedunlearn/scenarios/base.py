@@ -23,6 +23,8 @@ from typing import Any, ClassVar, TypeVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from fedunlearn.registry import Registry
+
 
 @dataclass(frozen=True)
 class ClientAssignment:
@@ -169,17 +171,15 @@ class Scenario(ABC):
 
 S = TypeVar("S", bound=type[Scenario])
 
-SCENARIOS: dict[str, type[Scenario]] = {}
+SCENARIOS: Registry[type[Scenario]] = Registry("scenario")
 
 
 def register_scenario(name: str) -> Callable[[S], S]:
     """Register a :class:`Scenario` subclass under ``name`` (once)."""
 
     def decorator(cls: S) -> S:
-        if name in SCENARIOS:
-            raise ValueError(f"scenario {name!r} is already registered")
+        SCENARIOS.add(name, cls)
         cls.name = name
-        SCENARIOS[name] = cls
         return cls
 
     return decorator
@@ -187,12 +187,7 @@ def register_scenario(name: str) -> Callable[[S], S]:
 
 def get_scenario(name: str) -> type[Scenario]:
     """The scenario class registered under ``name``."""
-    try:
-        return SCENARIOS[name]
-    except KeyError:
-        raise KeyError(
-            f"unknown scenario {name!r}; available: {', '.join(sorted(SCENARIOS))}"
-        ) from None
+    return SCENARIOS[name]
 
 
 def with_local_retain(
