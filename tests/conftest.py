@@ -40,6 +40,8 @@ LONGEST_FILES = (
     "tests/simulations/test_deploy.py",  # 3.5
     "tests/simulations/test_studies.py",  # 3
     "tests/simulations/test_model_delivery_flower.py",  # 2
+    "tests/simulations/test_flwr_run.py",  # 2
+    "tests/simulations/test_mpu_attack.py",  # 1
 )
 
 
