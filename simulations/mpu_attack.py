@@ -40,7 +40,7 @@ import json
 import math
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,8 @@ from torch import Tensor
 from tqdm import tqdm
 
 from fedunlearn.mpu import (
+    HarmonicAggregator,
+    ReparamDims,
     alphas,
     derive_seed,
     draw_transforms,
@@ -109,7 +111,6 @@ class Target:
     heldout: dict[str, Tensor]
     forget: dict[str, Tensor]
     evaluate: Any = None  # model → scenario metrics (builtin), or None
-    server_metrics: dict[str, Any] = field(default_factory=dict)
 
 
 def load_target(cfg: AttackConfig) -> Target:
@@ -178,7 +179,7 @@ class Published:
     scales: list[float]  # the α_k the server used
     transforms: list[Any]  # T_k per copy (None: not reparameterised)
     extra_maps: list[Any]  # S_k per copy (None: no extra map)
-    sigmas: dict[str, float]  # σ per perturbed tensor
+    dims: ReparamDims  # what the attacker knows of the architecture (public)
 
 
 def publish(
@@ -196,14 +197,14 @@ def publish(
     groups = layer_groups(state.keys(), num_layers)
     sigmas = sigma_per_tensor(groups, layer_sigmas(state, groups, kappa))
     gen = torch.Generator().manual_seed(derive_seed(STUDY_SECRET, cell_seed, "noise"))
+    dims = plan_reparam(model_config, permute_groups=permute_groups).dims
     if defense.single_copy:
         noise = {n: torch.randn(state[n].shape, generator=gen).mul_(s) for n, s in sigmas.items()}
-        return Published([noisy_copy(state, noise, 1.0)], [1.0], [None], [None], sigmas)
+        return Published([noisy_copy(state, noise, 1.0)], [1.0], [None], [None], dims)
     scales = alphas(m)
     if defense.secret_scales:
         draw = torch.Generator().manual_seed(derive_seed(STUDY_SECRET, cell_seed, "scales"))
         scales = sorted((1.0 + torch.rand(m, generator=draw, dtype=torch.float64)).tolist())
-    dims = plan_reparam(model_config, permute_groups=permute_groups).dims
     transforms = [
         draw_transforms(dims, STUDY_SECRET, cell_seed, k, num_layers, permute_groups=permute_groups)
         for k in range(m)
@@ -215,7 +216,7 @@ def publish(
         seeds = [derive_seed(STUDY_SECRET, cell_seed, k, "extra") for k in range(m)]
         extra = [defense.extra_map(dims, num_layers, seed) for seed in seeds]
         copies = [s.forward(c) for s, c in zip(extra, copies, strict=True)]
-    return Published(copies, list(scales), transforms, extra, sigmas)
+    return Published(copies, list(scales), transforms, extra, dims)
 
 
 def _to_original(state: Mapping[str, Tensor], published: Published, k: int) -> dict[str, Tensor]:
@@ -229,15 +230,14 @@ def _to_original(state: Mapping[str, Tensor], published: Published, k: int) -> d
 
 
 def estimates(
-    published: Published, model_config: Any, defense: Defense
+    published: Published, num_layers: int, defense: Defense
 ) -> dict[str, dict[str, Tensor]]:
     """What the client makes of its copies (the four ``ESTIMATES``), each in copy 1's
     coordinates; with one copy there is nothing to combine and every estimate is that copy."""
     copies = published.copies
     if len(copies) == 1:
         return {name: copies[0] for name in ESTIMATES}
-    num_layers = int(model_config.num_hidden_layers)
-    dims = plan_reparam(model_config).dims
+    dims, public_scales = published.dims, alphas(len(copies))
     aligned = [copies[0]] + [
         align_copy(
             c,
@@ -250,13 +250,13 @@ def estimates(
         for c in copies[1:]
     ]
     naive = {n: sum(c[n].double() for c in copies).div(len(copies)).float() for n in copies[0]}
-    harmonic = harmonic_combination(aligned, alphas(len(copies)))
+    # the attacker weights by the public α grid: it cannot know secret scales
+    harmonic = harmonic_combination(aligned, public_scales)
     if defense.general_vo:  # average what attention computes, W_o,h W_v,g, not the factors
-        harmonic = ov_combination(harmonic, aligned, alphas(len(copies)), dims, num_layers)
+        harmonic = ov_combination(harmonic, aligned, public_scales, dims, num_layers)
     return {
         "one_copy": copies[0],
         "naive_mean": naive,
-        # the attacker weights by the public α grid: it cannot know secret scales
         "aligned_harmonic": harmonic,
         "aligned_min_norm": min_norm_combination(aligned, num_layers),
     }
@@ -268,9 +268,14 @@ class Scorer:
     def __init__(self, target: Target) -> None:
         self.probe = copying.deepcopy(target.model)
         self.theta = {n: t.detach().clone() for n, t in target.model.state_dict().items()}
+        self.num_layers = int(target.model.config.num_hidden_layers)
+        groups = layer_groups(self.theta.keys(), self.num_layers)
+        self.layer_names = [name for names in groups.values() for name in names]
+        self._theta_sq = sum(float(self.theta[n].double().pow(2).sum()) for n in self.layer_names)
         self.heldout, self.forget = target.heldout, target.forget
         self.reference = self._logits(self.theta)
         self.clean_step = self.gradient_step(self.theta)
+        self._clean_sq = sum(float(c.pow(2).sum()) for c in self.clean_step.values())
 
     def _load(self, state: Mapping[str, Tensor]) -> Any:
         self.probe.load_state_dict(dict(state), strict=True)
@@ -291,13 +296,13 @@ class Scorer:
             "kl": float((log_p.exp() * (log_p - log_q)).sum(-1).mean()),
         }
 
-    def weight_error(self, original: Mapping[str, Tensor], names: Sequence[str]) -> float:
-        """‖state − θ‖ / ‖θ‖ over ``names``."""
+    def weight_error(self, original: Mapping[str, Tensor]) -> float:
+        """‖state − θ‖ / ‖θ‖ over the decoder layers (the perturbed tensors)."""
         num = sum(
-            float((original[n].double() - self.theta[n].double()).pow(2).sum()) for n in names
+            float((original[n].double() - self.theta[n].double()).pow(2).sum())
+            for n in self.layer_names
         )
-        den = sum(float(self.theta[n].double().pow(2).sum()) for n in names)
-        return math.sqrt(num / den)
+        return math.sqrt(num / self._theta_sq)
 
     def gradient_step(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """−∇ NLL(forget QA) at ``state``, for the decoder-layer weights (float64)."""
@@ -312,18 +317,13 @@ class Scorer:
 
     def denoise_error(self, published: Published) -> float:
         """‖Δ̄ − Δ_θ‖ / ‖Δ_θ‖ for the server's harmonic aggregate Δ̄ of the copies' one-step
-        updates mapped back exactly (see the module docstring)."""
-        weights = [1.0 / a for a in published.scales]
-        total: dict[str, Tensor] = {}
-        for k, copy in enumerate(published.copies):
-            back = _to_original(self.gradient_step(copy), published, k)
-            for n, value in back.items():
-                total[n] = total.get(n, 0) + weights[k] * value.double()
-        num = sum(
-            float((total[n] / sum(weights) - c).pow(2).sum()) for n, c in self.clean_step.items()
-        )
-        den = sum(float(c.pow(2).sum()) for c in self.clean_step.values())
-        return math.sqrt(num / den)
+        updates mapped back exactly, aggregated by the server's HarmonicAggregator."""
+        aggregate = HarmonicAggregator()
+        for k, (copy, alpha) in enumerate(zip(published.copies, published.scales, strict=True)):
+            aggregate.add(_to_original(self.gradient_step(copy), published, k), alpha)
+        total = aggregate.result()
+        num = sum(float((total[n] - c).pow(2).sum()) for n, c in self.clean_step.items())
+        return math.sqrt(num / self._clean_sq)
 
 
 @dataclass(frozen=True)
@@ -369,13 +369,12 @@ def run_cell(cell: Cell, target: Target, scorer: Scorer, cfg: AttackConfig) -> d
     published = publish(
         scorer.theta, config, cell.kappa, cell.m, cell.permute_groups, defense, cell.seed
     )
-    names = sorted(published.sigmas)
     scores: dict[str, dict[str, float]] = {}
-    recovered = estimates(published, config, defense)
+    recovered = estimates(published, scorer.num_layers, defense)
     for estimate, state in recovered.items():
         scores[estimate] = {
             **scorer.logit_scores(state),
-            "weight_error": scorer.weight_error(_to_original(state, published, 0), names),
+            "weight_error": scorer.weight_error(_to_original(state, published, 0)),
         }
     best = min(("aligned_harmonic", "aligned_min_norm"), key=lambda e: scores[e]["max_dlogit"])
     record: dict[str, Any] = {

@@ -16,11 +16,7 @@ import torch
 from torch import Tensor
 
 from fedunlearn.mpu import ReparamDims
-
-
-def _name(layer: int, kind: str) -> str:
-    block = "mlp" if kind in ("gate", "up", "down") else "self_attn"
-    return f"model.layers.{layer}.{block}.{kind}_proj.weight"
+from fedunlearn.mpu.alignment import projection_name
 
 
 class ChannelScaling:
@@ -34,23 +30,23 @@ class ChannelScaling:
             for layer in range(num_layers)
         }
 
-    def forward(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """S(θ): a new dict, the scaled tensors new."""
+    def _apply(self, state: Mapping[str, Tensor], inverse: bool) -> dict[str, Tensor]:
         out = dict(state)
         for layer, s in self.scales.items():
-            up, down = _name(layer, "up"), _name(layer, "down")
-            out[up] = (state[up].double() * s[:, None]).to(state[up].dtype)
-            out[down] = (state[down].double() / s[None, :]).to(state[down].dtype)
+            up, down = projection_name(layer, "up"), projection_name(layer, "down")
+            up_w, down_w = state[up].double(), state[down].double()
+            up_w = up_w / s[:, None] if inverse else up_w * s[:, None]
+            down_w = down_w * s[None, :] if inverse else down_w / s[None, :]
+            out[up], out[down] = up_w.to(state[up].dtype), down_w.to(state[down].dtype)
         return out
 
+    def forward(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """S(θ): a new dict, the scaled tensors new."""
+        return self._apply(state, inverse=False)
+
     def inverse(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """S⁻¹ of weights (the linear map undone)."""
-        out = dict(state)
-        for layer, s in self.scales.items():
-            up, down = _name(layer, "up"), _name(layer, "down")
-            out[up] = (state[up].double() / s[:, None]).to(state[up].dtype)
-            out[down] = (state[down].double() * s[None, :]).to(state[down].dtype)
-        return out
+        """S⁻¹ of weights or of an update (the map is linear)."""
+        return self._apply(state, inverse=True)
 
 
 class InvertibleVO:
@@ -77,7 +73,7 @@ class InvertibleVO:
         out = dict(state)
         for layer, (m, m_inv) in self.maps.items():
             left, right = (m_inv, m) if inverse else (m, m_inv)
-            vn, on = _name(layer, "v"), _name(layer, "o")
+            vn, on = projection_name(layer, "v"), projection_name(layer, "o")
             v = state[vn].double().reshape(d.num_key_value_heads, d.head_dim, -1)
             out[vn] = (left @ v).reshape(state[vn].shape).to(state[vn].dtype)
             o = state[on].double().reshape(-1, d.num_key_value_heads, d.group_size, d.head_dim)
@@ -90,12 +86,8 @@ class InvertibleVO:
         return self._apply(state, inverse=False)
 
     def inverse(self, state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """S⁻¹ of weights."""
+        """S⁻¹ of weights or of an update (the map is linear)."""
         return self._apply(state, inverse=True)
-
-    def inverse_update(self, delta: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """S⁻¹ of an update: the map is linear, so the same as of weights."""
-        return self.inverse(delta)
 
 
 ExtraMap = Callable[[ReparamDims, int, int], "ChannelScaling | InvertibleVO"]

@@ -7,7 +7,6 @@ config names (:class:`~strategies.merge_strategy.MergeStrategy`), or MPU around 
 from __future__ import annotations
 
 import copy
-import resource
 import time
 from logging import INFO
 from pathlib import Path
@@ -90,7 +89,7 @@ def run_unlearning(
         **({"mpu": record["mpu"]} if "mpu" in record else {}),
         "assignments": record["assignments"],
         "seconds": phases,
-        "server_peak_rss_mb": peak_rss_mb(),
+        "server_peak_rss_mb": peak_rss_bytes() / 2**20,
         **({"resumed_from_round": done} if done else {}),
     }
     if settings.save_uploads and strategy.last_updates:
@@ -233,11 +232,6 @@ def baseline_evaluation(
     cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
     key = evaluation_key(model, settings, reference_metrics, settings.mmlu_folder())
     return cached_evaluation(cache_dir or default_cache_dir(), key, name, evaluate)
-
-
-def peak_rss_mb() -> float:
-    """The server process's peak resident memory so far (``ru_maxrss``, MiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def open_checkpoint(

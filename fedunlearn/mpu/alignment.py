@@ -37,18 +37,39 @@ import torch
 from scipy.optimize import linear_sum_assignment
 from torch import Tensor
 
-from .noise import LAYER_PATTERN
+from .aggregate import HarmonicAggregator
+from .noise import layer_groups
 from .support import ReparamDims
 
-__all__ = ["align_copy", "harmonic_combination", "min_norm_combination", "ov_combination"]
+__all__ = [
+    "align_copy",
+    "harmonic_combination",
+    "min_norm_combination",
+    "ov_combination",
+    "projection_name",
+]
 
 
-def _proj(state: Mapping[str, Tensor], layer: int, kind: str) -> tuple[str, Tensor]:
+def projection_name(layer: int, kind: str) -> str:
+    """State-dict name of projection ``kind`` (q/k/v/o/gate/up/down) of decoder layer ``layer``."""
     block = "mlp" if kind in ("gate", "up", "down") else "self_attn"
-    name = f"model.layers.{layer}.{block}.{kind}_proj.weight"
-    if name not in state:
-        raise KeyError(f"alignment needs {name!r}, which is not in the copy")
-    return name, state[name].detach().to(torch.float64)
+    return f"model.layers.{layer}.{block}.{kind}_proj.weight"
+
+
+def _projections(
+    copy: Mapping[str, Tensor], anchor: Mapping[str, Tensor], layer: int, kinds: Sequence[str]
+) -> tuple[dict[str, str], dict[str, Tensor], dict[str, Tensor]]:
+    """Per kind: the name, the anchor's weight and the copy's weight (float64)."""
+    names: dict[str, str] = {}
+    ours: dict[str, Tensor] = {}
+    theirs: dict[str, Tensor] = {}
+    for kind in kinds:
+        names[kind] = projection_name(layer, kind)
+        for state, out in ((anchor, ours), (copy, theirs)):
+            if names[kind] not in state:
+                raise KeyError(f"alignment needs {names[kind]!r}, which is not in the copy")
+            out[kind] = state[names[kind]].detach().to(torch.float64)
+    return names, ours, theirs
 
 
 def align_copy(
@@ -62,7 +83,7 @@ def align_copy(
 ) -> dict[str, Tensor]:
     """``copy`` brought into ``anchor``'s coordinates by an estimated function-preserving map
     (steps 1–4 of the module docstring), layer by layer; tensors outside the decoder layers are
-    returned as they are. Biases, if any, follow their weights' rows."""
+    returned as they are. MLP biases follow their rows; q/k/v biases are refused."""
     out = dict(copy)
     for layer in range(num_layers):
         out.update(_align_mlp(copy, anchor, dims, layer, estimate_scales))
@@ -81,10 +102,7 @@ def _align_mlp(
     layer: int,
     estimate_scales: bool,
 ) -> dict[str, Tensor]:
-    names, ours, theirs = {}, {}, {}
-    for kind in ("gate", "up", "down"):
-        names[kind], ours[kind] = _proj(anchor, layer, kind)
-        theirs[kind] = _proj(copy, layer, kind)[1]
+    names, ours, theirs = _projections(copy, anchor, layer, ("gate", "up", "down"))
     # the gate row alone is unchanged by SwiGLU's per-channel scaling: match on it and the
     # directions of the up row and down column (scale-free)
     features = [
@@ -131,10 +149,9 @@ def _align_attention(
     layer: int,
     general_vo: bool,
 ) -> dict[str, Tensor]:
-    names, ours, theirs = {}, {}, {}
-    for kind in ("q", "k", "v", "o"):
-        names[kind], ours[kind] = _proj(anchor, layer, kind)
-        theirs[kind] = _proj(copy, layer, kind)[1]
+    if any(projection_name(layer, k).removesuffix("weight") + "bias" in copy for k in "qkv"):
+        raise ValueError(f"layer {layer}: alignment of q/k/v biases is not implemented")
+    names, ours, theirs = _projections(copy, anchor, layer, ("q", "k", "v", "o"))
     h_kv, r, d_h = dims.num_key_value_heads, dims.group_size, dims.head_dim
     similarity = (_group_signatures(ours, dims) @ _group_signatures(theirs, dims).T).numpy()
     _, match = linear_sum_assignment(-similarity)
@@ -154,8 +171,6 @@ def _align_attention(
         names["v"]: v.reshape(theirs["v"].shape),
         names["o"]: o.reshape(theirs["o"].shape),
     }
-    if any(names[kind].removesuffix("weight") + "bias" in copy for kind in ("q", "k", "v")):
-        raise ValueError(f"layer {layer}: alignment of q/k/v biases is not implemented")
     return {name: value.to(copy[name].dtype) for name, value in aligned.items()}
 
 
@@ -192,18 +207,14 @@ def _plane_rotations(k: Tensor, q: Tensor, k_a: Tensor, q_a: Tensor) -> tuple[Te
 def harmonic_combination(
     copies: Sequence[Mapping[str, Tensor]], scales: Sequence[float]
 ) -> dict[str, Tensor]:
-    """Σ_k α_k⁻¹ C_k / Σ_k α_k⁻¹ of aligned copies (float64 sums, each tensor's dtype back)."""
+    """Σ_k α_k⁻¹ C_k / Σ_k α_k⁻¹ of aligned copies: the server's own
+    :class:`~fedunlearn.mpu.aggregate.HarmonicAggregator`, applied to weights."""
     if len(copies) != len(scales) or not copies:
         raise ValueError(f"{len(copies)} copies for {len(scales)} scales")
-    weights = [1.0 / a for a in scales]
-    total = sum(weights)
-    out = {}
-    for name, first in copies[0].items():
-        acc = torch.zeros(first.shape, dtype=torch.float64)
-        for w, c in zip(weights, copies, strict=True):
-            acc += w * c[name].detach().to(torch.float64)
-        out[name] = (acc / total).to(first.dtype)
-    return out
+    aggregate = HarmonicAggregator()
+    for copy, alpha in zip(copies, scales, strict=True):
+        aggregate.add(copy, alpha)
+    return aggregate.result()
 
 
 def min_norm_combination(
@@ -215,12 +226,7 @@ def min_norm_combination(
     if len(copies) < 2:
         raise ValueError("a combination needs at least two copies")
     out = dict(copies[0])
-    by_layer: dict[int, list[str]] = {layer: [] for layer in range(num_layers)}
-    for name in copies[0]:
-        match = LAYER_PATTERN.search(name)
-        if match is not None and int(match.group(1)) in by_layer:
-            by_layer[int(match.group(1))].append(name)
-    for names in by_layer.values():
+    for names in layer_groups(copies[0].keys(), num_layers).values():
         first = torch.cat([copies[0][n].detach().to(torch.float64).flatten() for n in names])
         diffs = torch.stack(
             [
@@ -253,19 +259,16 @@ def ov_combination(
     weighted mean of the products cancels the zero-sum noise to first order, and its rank-d_h
     SVD U S Vᵀ gives W_v,g = S Vᵀ and the stacked W_o,h = U. The copies must already have their
     KV groups matched (:func:`align_copy`)."""
-    weights = [1.0 / a for a in scales]
     h_kv, r, d_h = dims.num_key_value_heads, dims.group_size, dims.head_dim
     out = dict(combined)
     for layer in range(num_layers):
-        v_name, o_name = _proj(copies[0], layer, "v")[0], _proj(copies[0], layer, "o")[0]
-        mean = None
-        for w, c in zip(weights, copies, strict=True):
+        v_name, o_name = projection_name(layer, "v"), projection_name(layer, "o")
+        aggregate = HarmonicAggregator()
+        for c, alpha in zip(copies, scales, strict=True):
             v = _heads(c[v_name].detach().to(torch.float64), h_kv)  # (g, d_h, in)
             o = c[o_name].detach().to(torch.float64).reshape(-1, h_kv, r, d_h)
-            product = torch.einsum("xgrd,gdy->grxy", o, v) * w  # (g, r, out, in)
-            mean = product if mean is None else mean + product
-        assert mean is not None  # copies is never empty here
-        mean = mean / sum(weights)
+            aggregate.add({"ov": torch.einsum("xgrd,gdy->grxy", o, v)}, alpha)  # (g, r, out, in)
+        mean = aggregate.result()["ov"]
         v_new = torch.empty(h_kv, d_h, mean.shape[-1], dtype=torch.float64)
         o_new = torch.empty(mean.shape[2], h_kv, r, d_h, dtype=torch.float64)
         for g in range(h_kv):
