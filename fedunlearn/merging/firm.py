@@ -21,8 +21,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ._chunks import below, keep_at_least, map_spans, nonzeros, squares64, sum_sq
+from ._chunks import below, map_spans
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .kernels import (
+    bracket_counts,
+    fusable,
+    kept_above,
+    mean_of,
+    nonzero64,
+    run_kernel,
+    sq64,
+    use_compiled,
+)
 from .projection import DEFAULT_SOLVER, _project_checked, check_solver
 from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
@@ -50,29 +60,28 @@ def support_size(numel: int, alpha: float) -> int:
 
 @dataclass
 class _SparsifiedFisher:
-    """``F̃ = F / (max F + eps0)`` kept where ``F̃ >=`` its k-th largest value, slice by slice.
+    """``F̃ = F / (max F + eps0)`` kept where ``F̃ >=`` its k-th largest value.
 
-    ``source`` is the flat raw (or pooled) Fisher, or the list of a domain's flat raw Fishers
-    whose float32 mean ``F̄_g`` is formed slice by slice (never as a whole tensor); ``scale``
-    is the 0-d float32 ``max F + eps0`` and ``lower`` the largest float32 below the threshold
-    (``-inf`` keeps every entry).
+    ``sources`` are the flat raw Fishers whose float32 mean is ``F`` (a domain's ``F̄_g``,
+    formed slice by slice inside the merge kernel, never as a whole tensor), or one flat raw
+    or pooled Fisher; ``scale`` is the 0-d float32 ``max F + eps0`` and ``lower`` the 0-d
+    float32 largest value below the threshold (``-inf`` keeps every entry).
     """
 
-    source: torch.Tensor | list[torch.Tensor]
+    sources: list[torch.Tensor]
     scale: torch.Tensor
-    lower: float
+    lower: torch.Tensor
 
-    def chunk(self, span: slice) -> torch.Tensor:
-        """``F̃`` on ``span`` (float32)."""
-        if isinstance(self.source, list):
-            return keep_at_least(_pooled_slice(self.source, span).div_(self.scale), self.lower)
-        return keep_at_least(self.source[span].to(torch.float32) / self.scale, self.lower)
+    @classmethod
+    def of(
+        cls, sources: list[torch.Tensor], scale: torch.Tensor, lower: float
+    ) -> _SparsifiedFisher:
+        """With ``lower`` as a 0-d float32 tensor."""
+        return cls(sources, scale, torch.tensor(lower, dtype=torch.float32))
 
-
-def _pooled_slice(flats: Sequence[torch.Tensor], span: slice) -> torch.Tensor:
-    """``F̄_g`` on ``span``: the float32 mean of the flat raw Fishers, in a fresh slice buffer."""
-    buffer = torch.empty(span.stop - span.start, dtype=torch.float32, device=flats[0].device)
-    return _mean_into(buffer, [f[span] for f in flats])
+    def kernel_args(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(sources, scale, lower)`` as :func:`firm_kernel` takes them."""
+        return self.sources, self.scale, self.lower
 
 
 def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFisher:
@@ -84,13 +93,13 @@ def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFis
     """
     d = flat.numel()
     if d == 0:
-        return _SparsifiedFisher(flat, torch.ones((), device=flat.device), -math.inf)
+        return _SparsifiedFisher.of([flat], torch.ones((), device=flat.device), -math.inf)
     scale = flat.max().to(torch.float32) + eps0
     k = support_size(d, alpha)
     if k >= d:
-        return _SparsifiedFisher(flat, scale, -math.inf)
+        return _SparsifiedFisher.of([flat], scale, -math.inf)
     threshold = kth_largest(flat, k, nonnegative=True).to(torch.float32) / scale
-    return _SparsifiedFisher(flat, scale, below(threshold))
+    return _SparsifiedFisher.of([flat], scale, below(threshold))
 
 
 def normalize_and_sparsify(fisher: torch.Tensor, alpha: float, eps0: float) -> torch.Tensor:
@@ -110,7 +119,7 @@ def normalize_and_sparsify(fisher: torch.Tensor, alpha: float, eps0: float) -> t
     if f.numel() == 0:
         return f.clone()
     sp = _sparsifier(f.reshape(-1), alpha, eps0)
-    return keep_at_least(f / sp.scale, sp.lower)
+    return kept_above(f / sp.scale, sp.lower)
 
 
 def _check_params(
@@ -159,34 +168,46 @@ def _group(
 
 
 def _pooled_sparsifier(
-    fishers: Sequence[torch.Tensor], device: torch.device, alpha: float, eps0: float
+    fishers: Sequence[torch.Tensor],
+    device: torch.device,
+    alpha: float,
+    eps0: float,
+    compiled: bool = False,
 ) -> _SparsifiedFisher:
-    """``F̃_g`` of a domain's pooled Fisher ``F̄_g``, pooled, maxed and counted in one pass.
+    """``F̃`` of the float32 mean ``F`` of ``fishers``, pooled, maxed and counted in one pass.
 
     The same scale and threshold as ``_sparsifier(_pooled(fishers))``: the pooled values at
     the selector's sample positions are computed first (the same float32 arithmetic), then
-    every slice of ``F̄_g`` is pooled in a slice buffer, maxed and counted for the threshold,
-    and dropped: the merge pools it again slice by slice (reading the raw Fishers once more
-    costs less memory traffic than writing and re-reading a float32 ``F̄_g``).
+    every slice of ``F`` is pooled (``compiled``: by the fused counting kernel), maxed and
+    counted for the threshold, and dropped: the merge kernel pools it again slice by slice
+    (reading the raw Fishers once more costs less memory traffic than writing and re-reading a
+    float32 ``F``).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`.
     """
     flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
     k = support_size(d, alpha) if d else 0
-    if len(flats) == 1 or device.type != "cpu" or d <= SMALL or k >= d:
+    compiled = compiled and all(fusable(f.dtype) for f in flats)
+    if (len(flats) == 1 and not compiled) or device.type != "cpu" or d <= SMALL or k >= d:
         return _sparsifier(_pooled(fishers, device), alpha, eps0)
     positions = sample_positions(d)
-    sample = torch.empty(len(range(d)[positions]), dtype=torch.float32)
-    pooled_sample = _mean_into(sample, [f[positions] for f in flats])
+    pooled_sample = mean_of([f[positions] for f in flats])
     selector = StreamedKthLargest(pooled_sample, k, d, nonnegative=True)
+    if compiled:
+        top, above, candidates = bracket_counts(flats, False, selector.key_bounds())
+        scale = top + eps0
+        kth = selector.result_of_keys(
+            lambda: _pooled(flats, device).to(torch.float32), above, candidates
+        )
+        return _SparsifiedFisher.of(flats, scale, below(kth / scale))
 
     def work(span: slice) -> tuple[torch.Tensor, tuple[int, np.ndarray]]:
-        chunk = _pooled_slice(flats, span)
+        chunk = mean_of([f[span] for f in flats])
         return chunk.max(), selector.count(chunk)
 
     parts = map_spans(work, d, device)
     scale = torch.stack([m for m, _ in parts]).max() + eps0
     threshold = selector.result(lambda: _pooled(flats, device), [c for _, c in parts]) / scale
-    return _SparsifiedFisher(flats, scale, below(threshold))
+    return _SparsifiedFisher.of(flats, scale, below(threshold))
 
 
 def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -195,30 +216,23 @@ def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tens
     if len(flats) == 1:
         return flats[0].to(device)
     out = torch.empty(flats[0].numel(), dtype=torch.float32, device=device)
-    map_spans(lambda span: _mean_into(out[span], [f[span] for f in flats]), out.numel(), device)
+
+    def work(span: slice) -> None:
+        out[span] = mean_of([f[span].to(device) for f in flats])
+
+    map_spans(work, out.numel(), device)
     return out
 
 
-def _mean_into(acc: torch.Tensor, parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``acc = mean(parts)`` in float32, summed in order as ``0 + p_1 + … + p_n`` then ``/ n``."""
-    acc.copy_(parts[0])
-    for p in parts[1:]:
-        acc.add_(p.to(device=acc.device, dtype=torch.float32))
-    if len(parts) > 1:
-        acc.div_(len(parts))
-    return acc
-
-
 def _weighted_average(
-    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], eps0: float
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], eps0: torch.Tensor
 ) -> torch.Tensor:
     """``Σ F̃ ⊙ Δ / (Σ F̃ + eps0)`` over the (non-empty) ``(F̃, Δ)`` pairs, in float32."""
-    num = pairs[0][0] * pairs[0][1]
-    den = pairs[0][0].clone()
+    num, den = pairs[0][0] * pairs[0][1], pairs[0][0]
     for ft, delta in pairs[1:]:
-        num.add_(ft * delta)
-        den.add_(ft)
-    return num.div_(den.add_(eps0))
+        num = num + ft * delta
+        den = den + ft
+    return num / (den + eps0)
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -237,20 +251,6 @@ class _Sums:
     damage_before: list[float] = field(default_factory=list)
     damage_after: list[float] = field(default_factory=list)
 
-    def add(self, other: _Sums) -> None:
-        """Add the sums of a later slice."""
-        self.forget_sq += other.forget_sq
-        self.retain_sq += other.retain_sq
-        self.base_sq += other.base_sq
-        self.final_sq += other.final_sq
-        self.nonzero += other.nonzero
-        for mine, theirs in (
-            (self.damage_before, other.damage_before),
-            (self.damage_after, other.damage_after),
-        ):
-            for k, value in enumerate(theirs):
-                mine[k] += value
-
 
 @dataclass
 class _TensorInputs:
@@ -267,42 +267,74 @@ def _tensor_inputs(
     fishers: Sequence[torch.Tensor],
     domains: Sequence[Sequence[int]],
     retain: Sequence[int],
-    alpha: float,
-    eps0: float,
+    params: tuple[float, float],
+    compiled: bool,
 ) -> _TensorInputs:
     """Pool every forget domain's Fisher and find every threshold (one pass per Fisher)."""
+    alpha, eps0 = params
     device = tvs[0].device
     flat_tv = [t.reshape(-1) for t in tvs]
     forget = []
     for members in domains:
-        pooled = _pooled_sparsifier([fishers[i] for i in members], device, alpha, eps0)
+        pooled = _pooled_sparsifier([fishers[i] for i in members], device, alpha, eps0, compiled)
         forget.append((pooled, [flat_tv[i] for i in members]))
     kept = [
-        (_sparsifier(fishers[i].reshape(-1).to(device), alpha, eps0), flat_tv[i]) for i in retain
+        (_pooled_sparsifier([fishers[i].to(device)], device, alpha, eps0, compiled), flat_tv[i])
+        for i in retain
     ]
     return _TensorInputs(forget, kept, flat_tv[0].numel(), device)
 
 
-def _base_chunk(
-    inp: _TensorInputs, span: slice, gamma_f: float, gamma_r: float, eps0: float
-) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
-    """``(gamma_F·Δ_F, gamma_R·Δ_R or None, [F̃_k])`` on ``span`` (SPEC §2.3 step 3)."""
-    n = span.stop - span.start
-    pairs = []
-    for sp, members in inp.forget:
-        d_bar = torch.empty(n, dtype=torch.float32, device=inp.device)
-        pairs.append((sp.chunk(span), _mean_into(d_bar, [t[span] for t in members])))
-    forget = _weighted_average(pairs, eps0)
-    if gamma_f != 1.0:
-        forget.mul_(gamma_f)
-    fts = [sp.chunk(span) for sp, _ in inp.retain]
-    if not fts:
-        return forget, None, fts
-    deltas = [t[span].to(device=inp.device, dtype=torch.float32) for _, t in inp.retain]
-    retain = _weighted_average(list(zip(fts, deltas, strict=True)), eps0)
-    if gamma_r != 1.0:
-        retain.mul_(gamma_r)
-    return forget, retain, fts
+#: Positions in :func:`firm_kernel`'s sums (then ``m`` damages before, ``m`` after).
+_FORGET_SQ, _RETAIN_SQ, _BASE_SQ, _FINAL_SQ, _NONZERO, _DAMAGES = range(6)
+
+_ForgetArgs = list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+_RetainArgs = list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def firm_kernel(
+    forget: _ForgetArgs,
+    retain: _RetainArgs,
+    params: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out_dtype: torch.dtype,
+    keep_dense: bool,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """FIRM base merge (SPEC §2.3 steps 1–3) of one weight's flat inputs, with its report sums.
+
+    ``forget``: per domain ``g`` ``(Fisher sources, scale, lower, task vectors)``: ``F̃_g`` is
+    the sources' mean divided by ``scale``, kept above ``lower``, and ``Δ̄_g`` the task vectors'
+    mean; ``retain``: per retain client ``k`` the same with its one task vector ``Δθ_k``;
+    ``params`` = ``(gamma_F, gamma_R, eps0)`` (0-d float32).  Returns ``((Δ_base cast to
+    out_dtype,), sums)``, or with ``keep_dense`` ``((Δ_base in float32, F̃_1, …, F̃_m), sums)``
+    for the projection.  ``sums`` (float64): ‖gamma_F·Δ_F‖², ‖gamma_R·Δ_R‖², ‖Δ_base‖², ‖out‖²,
+    the non-zero entries of ``out``, then ``Σ F̃_k·Δ_base²`` and ``Σ F̃_k·out²`` per ``k``
+    (only the first three with ``keep_dense``; the rest are 0).
+    """
+    gamma_f, gamma_r, eps0 = params
+    pairs = [
+        (kept_above(mean_of(fs) / scale, lower), mean_of(tvs)) for fs, scale, lower, tvs in forget
+    ]
+    forget_term = _weighted_average(pairs, eps0) * gamma_f
+    fts = [kept_above(mean_of(fs) / scale, lower) for fs, scale, lower, _ in retain]
+    base, retain_sq = forget_term, torch.zeros((), dtype=torch.float64, device=eps0.device)
+    if fts:
+        deltas = [t.to(torch.float32) for *_, t in retain]
+        retain_term = _weighted_average(list(zip(fts, deltas, strict=True)), eps0) * gamma_r
+        base, retain_sq = forget_term + retain_term, sq64(retain_term)
+    base_sq = sq64(base)
+    if keep_dense:
+        zero = torch.zeros_like(base_sq)
+        sums = [sq64(forget_term), retain_sq, base_sq, zero, zero] + [zero] * (2 * len(fts))
+        return (base, *fts), torch.stack(sums)
+    final = base.to(out_dtype)
+    narrowing = out_dtype not in (torch.float32, torch.float64)
+    base64_sq = base.to(torch.float64) ** 2
+    final64_sq = final.to(torch.float64) ** 2 if narrowing else base64_sq
+    before = [(ft.to(torch.float64) * base64_sq).sum() for ft in fts]
+    after = [(ft.to(torch.float64) * final64_sq).sum() for ft in fts] if narrowing else before
+    final_sq = sq64(final) if narrowing else base_sq
+    head = [sq64(forget_term), retain_sq, base_sq, final_sq, nonzero64(final)]
+    return (final,), torch.stack(head + before + after)
 
 
 def _merge_tensor(
@@ -310,50 +342,32 @@ def _merge_tensor(
     params: tuple[float, float, float],
     out_dtype: torch.dtype,
     keep_dense: bool,
+    compiled: bool,
 ) -> tuple[torch.Tensor, list[torch.Tensor], _Sums]:
-    """Fused FIRM base merge of one weight, slice by slice.
+    """Fused FIRM base merge of one weight (:func:`firm_kernel`, compiled or slice by slice).
 
     Returns ``(out, fts, sums)``: with ``keep_dense`` the float32 ``Δ_base`` and the dense
     ``F̃_k`` (for the projection); otherwise ``Δ_base`` cast to ``out_dtype``, no ``F̃_k``, and
     the damages, norm and support of the cast result in ``sums``.
     """
-    gamma_f, gamma_r, eps0 = params
     m = len(inp.retain)
-    narrowing = out_dtype not in (torch.float32, torch.float64)
-    dtype = torch.float32 if keep_dense else out_dtype
-    out = torch.empty(inp.numel, dtype=dtype, device=inp.device)
-    fts_dense = [torch.empty_like(out) for _ in range(m)] if keep_dense else []
-
-    def work(span: slice) -> _Sums:
-        forget, retain, fts = _base_chunk(inp, span, gamma_f, gamma_r, eps0)
-        base = forget if retain is None else forget + retain
-        part = _Sums(damage_before=[0.0] * m, damage_after=[0.0] * m)
-        part.forget_sq = sum_sq(forget)
-        part.retain_sq = 0.0 if retain is None else sum_sq(retain)
-        part.base_sq = sum_sq(base)
-        out[span] = base
-        if keep_dense:
-            for dense, ft in zip(fts_dense, fts, strict=True):
-                dense[span] = ft
-            return part
-        final = out[span]
-        part.nonzero = nonzeros(final)
-        part.final_sq = sum_sq(final) if narrowing else part.base_sq
-        if not fts:
-            return part
-        base_sq = squares64(base)  # shared by every retain client's damage
-        final_sq = squares64(final) if narrowing else base_sq
-        for k, ft in enumerate(fts):
-            ft64 = ft.to(torch.float64)
-            part.damage_before[k] = float(torch.dot(ft64, base_sq))
-            after = float(torch.dot(ft64, final_sq)) if narrowing else part.damage_before[k]
-            part.damage_after[k] = after
-        return part
-
-    sums = _Sums(damage_before=[0.0] * m, damage_after=[0.0] * m)
-    for part in map_spans(work, inp.numel, inp.device):
-        sums.add(part)
-    return out, fts_dense, sums
+    forget = [(*sp.kernel_args(), members) for sp, members in inp.forget]
+    retain = [(*sp.kernel_args(), t) for sp, t in inp.retain]
+    scalars = tuple(torch.tensor(p, dtype=torch.float32, device=inp.device) for p in params)
+    args = (forget, retain, scalars, out_dtype, keep_dense)
+    outs, totals = run_kernel(firm_kernel, args, inp.numel, inp.device, compiled)
+    t = totals.tolist()
+    damages = t[_DAMAGES:]
+    sums = _Sums(
+        forget_sq=t[_FORGET_SQ],
+        retain_sq=t[_RETAIN_SQ],
+        base_sq=t[_BASE_SQ],
+        final_sq=t[_FINAL_SQ],
+        nonzero=round(t[_NONZERO]),
+        damage_before=damages[:m],
+        damage_after=damages[m:],
+    )
+    return outs[0], list(outs[1:]), sums
 
 
 def _unprojected_report(sums: _Sums) -> dict:
@@ -438,16 +452,19 @@ def firm_merge(
     position = {id(u): i for i, u in enumerate(updates)}
     domain_idx = [[position[id(u)] for u in members] for members in domains.values()]
     retain_idx = [position[id(u)] for u in retain]
+    first = updates[0].task_vector
+    compiled = use_compiled(sum(first[k].numel() for k in keys), first[keys[0]].device)
     for key in keys:
         tvs = [u.task_vector[key] for u in updates]
         fishers = [u.fisher[key] for u in updates]  # type: ignore[index]
-        inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, alpha, eps0)
+        inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, (alpha, eps0), compiled)
         out_dtype = tvs[0].dtype
         for t in tvs[1:]:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
         shape = tvs[0].shape
         del tvs, fishers
-        out, fts, sums = _merge_tensor(inp, (gamma_f, gamma_r, eps0), out_dtype, project)
+        params = (gamma_f, gamma_r, eps0)
+        out, fts, sums = _merge_tensor(inp, params, out_dtype, project, compiled)
         del inp
         norm_base = math.sqrt(sums.base_sq)
         if project:

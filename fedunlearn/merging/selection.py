@@ -145,6 +145,31 @@ class StreamedKthLargest:
         bits = chunk.view(_INT_OF[self.dtype]).numpy()
         return _count_and_collect(bits, self.lo, self.hi, self.kind)
 
+    def key_bounds(self) -> tuple[int, int]:
+        """The bracket ``(lo, hi)`` as non-negative keys, for values ``>= 0`` and magnitudes.
+
+        For the fused counting pass (:func:`~fedunlearn.merging.kernels.bracket_counts`),
+        which counts the bit patterns of the values with ``-0.0`` read as ``0.0`` (the two are
+        equal values, so the k-th largest value does not change).
+        """
+        if self.kind == "signed":
+            raise ValueError("key_bounds is for the selections of values >= 0 and magnitudes")
+        return max(self.lo, 0), max(self.hi, 0)
+
+    def result_of_keys(
+        self, whole: Callable[[], torch.Tensor], above: int, candidates: np.ndarray
+    ) -> torch.Tensor:
+        """:meth:`result` from the count of keys above the bracket and the keys inside it.
+
+        ``whole`` makes the tensor whose keys were counted (called only if the sample missed).
+        """
+
+        def bits() -> np.ndarray:
+            return whole().reshape(-1).contiguous().view(_INT_OF[self.dtype]).numpy()
+
+        cand = candidates.astype(_NUMPY_INT[_INT_OF[self.dtype]])
+        return _kth_of_candidates(bits, self.k, above, cand, self.kind, self.dtype)
+
     def result(
         self,
         whole: torch.Tensor | Callable[[], torch.Tensor],
