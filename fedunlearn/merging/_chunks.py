@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from typing import TypeVar
 
 import torch
-import torch.nn.functional as F
 
 T = TypeVar("T")
 
@@ -67,42 +66,10 @@ def map_spans(fn: Callable[[slice], T], numel: int, device: torch.device) -> lis
 def below(threshold: torch.Tensor | float) -> float:
     """The largest float of the threshold's dtype below ``threshold`` (``-inf`` stays ``-inf``).
 
-    ``x > below(t)`` is ``x >= t`` for every ``x`` of that dtype, which lets
-    :func:`keep_at_least` and :func:`trim_magnitude` use the fast threshold kernels.
+    ``x > below(t)`` is ``x >= t`` for every ``x`` of that dtype (a strict comparison, which
+    the merge kernels use for their thresholds).
     """
     t = torch.as_tensor(threshold)
     if math.isinf(float(t)) and float(t) < 0:
         return -math.inf
     return float(torch.nextafter(t, t.new_full((), -math.inf)))
-
-
-def keep_at_least(x: torch.Tensor, lower: float) -> torch.Tensor:
-    """``where(x > lower, x, 0)``, i.e. ``where(x >= t, x, 0)`` for ``lower = below(t)``."""
-    return F.threshold(x, lower, 0.0)
-
-
-def trim_magnitude(x: torch.Tensor, lower: float) -> torch.Tensor:
-    """``where(|x| > lower, x, 0)``, i.e. ``where(|x| >= t, x, 0)`` for ``lower = below(t)``.
-
-    ``lower < 0`` keeps every entry (and returns ``x`` itself).
-    """
-    if lower < 0.0:
-        return x
-    return F.hardshrink(x, lower)
-
-
-def sum_sq(x: torch.Tensor) -> float:
-    """``Σ x²`` accumulated in float64."""
-    x64 = x.to(torch.float64)
-    return float(torch.dot(x64, x64))
-
-
-def squares64(x: torch.Tensor) -> torch.Tensor:
-    """``x²`` in float64 (exact for float32 and narrower ``x``), for several weighted sums."""
-    x64 = x.to(torch.float64)
-    return x64.mul_(x64)
-
-
-def nonzeros(x: torch.Tensor) -> int:
-    """Number of non-zero entries (``|sign(x)|`` summed: exact, and faster than a mask)."""
-    return int(torch.sign(x).abs_().sum(dtype=torch.float64))

@@ -24,11 +24,12 @@ from functools import partial
 
 import torch
 
-from ._chunks import map_spans, sum_sq
+from ._chunks import map_spans
 from ._common import as_real, check_gamma, check_k, compute_dtype, node_ids
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
-from .ties import combine_chunk, trim_lowers
+from .kernels import run_kernel, sq64, use_compiled
+from .ties import ties_combine_kernel, trim_lowers
 
 #: Default link threshold ``τ`` on the cosine similarity.
 DEFAULT_THRESHOLD = 0.6
@@ -136,58 +137,64 @@ def _distinct(values: Sequence[str | None]) -> list[str]:
 
 
 @dataclass
-class _SliceSums:
-    """Per-slice sums of a fused FULM merge: squared norms and TIES counts per cluster."""
+class _TensorSums:
+    """Sums of one FULM merged weight: squared norms and TIES counts per cluster."""
 
     final_sq: float
     centroid_sq: list[float]
     present: list[float]
     agreeing: list[float]
 
+    def agreement(self, c: int) -> float:
+        return self.agreeing[c] / self.present[c] if self.present[c] else 1.0
 
-def _agreement(parts: Sequence[_SliceSums], c: int) -> float:
-    present = sum(p.present[c] for p in parts)
-    return sum(p.agreeing[c] for p in parts) / present if present else 1.0
+
+def fulm_kernel(
+    clusters: list[tuple[list[torch.Tensor], list[torch.Tensor], torch.dtype]],
+    scale: torch.Tensor,
+    out_dtype: torch.dtype,
+) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """``scale · Σ_c`` TIES centroid of cluster ``c``, in ``out_dtype`` (a kernel).
+
+    ``clusters`` holds per cluster its members' flat task vectors, their trim lowers and the
+    cluster's compute dtype; the centroids are added in ``scale``'s dtype.  Sums: ``‖result‖²``
+    then per cluster ``‖centroid‖²``, present and agreeing counts.
+    """
+    acc: torch.Tensor | None = None
+    sums = []
+    for parts, lowers, member_dtype in clusters:
+        centroid, present, agreeing = ties_combine_kernel(parts, lowers, member_dtype)
+        sums += [sq64(centroid), present, agreeing]
+        centroid = centroid.to(scale.dtype)
+        acc = centroid if acc is None else acc + centroid
+    assert acc is not None, "FULM merges at least one cluster"
+    final = (acc * scale).to(out_dtype)
+    return (final,), torch.stack([sq64(final), *sums])
 
 
 def _fulm_tensor(
-    tensors: Sequence[torch.Tensor], clusters: Sequence[Sequence[int]], k: float, scale: float
-) -> tuple[torch.Tensor, list[_SliceSums]]:
-    """``scale · Σ_c`` TIES centroid of cluster ``c`` for one weight, fused slice by slice."""
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    acc_dtype = compute_dtype(dtype)
+    tensors: Sequence[torch.Tensor],
+    clusters: Sequence[Sequence[int]],
+    k: float,
+    scale: float,
+    compiled: bool,
+) -> tuple[torch.Tensor, _TensorSums]:
+    """``scale · Σ_c`` TIES centroid of cluster ``c`` for one weight (:func:`fulm_kernel`)."""
+    dtype = _promoted(tensors)
     ref = tensors[0]
     device, d = ref.device, ref.numel()
     kept = support_size(d, k) if d else 0
-    flats = [t.reshape(-1) for t in tensors]
+    flats = [t.reshape(-1).to(device) for t in tensors]
     plans = []
     for members in clusters:
         member_dtype = compute_dtype(_promoted([tensors[i] for i in members]))
-        lowers = trim_lowers([tensors[i] for i in members], kept, member_dtype)
-        plans.append((members, member_dtype, lowers))
-    out = torch.empty(d, dtype=dtype, device=device)
-
-    def work(span: slice) -> _SliceSums:
-        sums = _SliceSums(0.0, [], [], [])
-        acc: torch.Tensor | None = None
-        for members, member_dtype, lowers in plans:
-            parts = [flats[i][span].to(device=device, dtype=member_dtype) for i in members]
-            centroid, present, agreeing = combine_chunk(parts, lowers)
-            sums.centroid_sq.append(sum_sq(centroid))
-            sums.present.append(present)
-            sums.agreeing.append(agreeing)
-            centroid = centroid.to(acc_dtype)
-            acc = centroid if acc is None else acc.add_(centroid)
-        assert acc is not None, "FULM merges at least one cluster"
-        if scale != 1.0:
-            acc.mul_(scale)
-        out[span] = acc
-        sums.final_sq = sum_sq(out[span])
-        return sums
-
-    return out.view(ref.shape), map_spans(work, d, device)
+        lowers = trim_lowers([tensors[i] for i in members], kept, member_dtype, compiled)
+        plans.append(([flats[i] for i in members], lowers, member_dtype))
+    scale_t = torch.tensor(scale, dtype=compute_dtype(dtype), device=device)
+    (out,), totals = run_kernel(fulm_kernel, (plans, scale_t, dtype), d, device, compiled)
+    t = totals.tolist()
+    sums = _TensorSums(t[0], t[1::3], t[2::3], t[3::3])
+    return out.view(ref.shape), sums
 
 
 def _promoted(tensors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -217,18 +224,17 @@ def _fulm(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
+    first = updates[0].task_vector
+    compiled = use_compiled(sum(first[key].numel() for key in keys), first[keys[0]].device)
     for key in keys:
         tensors = [u.task_vector[key] for u in updates]
-        final, parts = _fulm_tensor(tensors, clusters, kf, scale)
+        final, sums = _fulm_tensor(tensors, clusters, kf, scale, compiled)
         del tensors
-        sq = sum(p.final_sq for p in parts)
-        total_sq += sq
+        total_sq += sums.final_sq
         tensors_report[key] = {
-            "norm": math.sqrt(sq),
-            "centroid_norms": [
-                math.sqrt(sum(p.centroid_sq[c] for p in parts)) for c in range(len(clusters))
-            ],
-            "sign_agreement": [_agreement(parts, c) for c in range(len(clusters))],
+            "norm": math.sqrt(sums.final_sq),
+            "centroid_norms": [math.sqrt(sq) for sq in sums.centroid_sq],
+            "sign_agreement": [sums.agreement(c) for c in range(len(clusters))],
         }
         delta[key] = final
 

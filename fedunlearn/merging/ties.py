@@ -16,85 +16,98 @@ and the one used for the TIES baseline of the FIRM study.  (Unlike the reference
 an exact tie ``s(j) = 0`` is not broken by a global majority sign; the entry gets 0.)
 
 Computation: the trim thresholds come from :func:`~fedunlearn.merging.selection.kth_largest`
-(one counting pass per task vector); steps 1–4 then run fused, slice by slice
-(:func:`combine_chunk`), with the same element-wise arithmetic as the whole-tensor formulation.
+(one counting pass per task vector, by the fused bracket kernel when compiled); steps 1–4 are
+one kernel (:func:`ties_kernel`, see :mod:`~fedunlearn.merging.kernels`), compiled on whole
+tensors or run eagerly slice by slice, with the same element-wise arithmetic either way.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-from ._chunks import below, map_spans, nonzeros, sum_sq, trim_magnitude
+from ._chunks import below
 from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
-from .selection import kth_largest
+from .kernels import bracket_counts, fusable, nonzero64, run_kernel, sq64, use_compiled
+from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
 #: Default TIES support fraction (top 20 % of every task vector).
 DEFAULT_K = 0.2
 
 
-def trim_lowers(tensors: Sequence[torch.Tensor], kept: int, dtype: torch.dtype) -> list[float]:
-    """Per tensor, the largest ``dtype`` value below its ``kept``-th largest magnitude.
+def trim_lowers(
+    tensors: Sequence[torch.Tensor], kept: int, dtype: torch.dtype, compiled: bool = False
+) -> list[torch.Tensor]:
+    """Per tensor, the largest ``dtype`` value below its ``kept``-th largest magnitude (0-d).
 
     ``|x| > lower`` is then ``|x| >=`` that threshold; ``-inf`` (``kept >= d``) keeps every
-    entry.  The threshold is selected on the tensor as it is (widening it to ``dtype`` is exact).
+    entry.  The threshold is selected on the tensor as it is (widening it to ``dtype`` is exact);
+    with ``compiled``, large CPU tensors are counted by the fused bracket kernel.
     """
     lowers = []
     for t in tensors:
         if kept >= t.numel():
-            lowers.append(-math.inf)
+            lower = -math.inf
         else:
-            lowers.append(below(kth_largest(t, kept, magnitude=True).to(dtype)))
+            lower = below(_kth_magnitude(t.reshape(-1), kept, compiled).to(dtype))
+        lowers.append(torch.tensor(lower, dtype=dtype, device=t.device))
     return lowers
 
 
-def combine_chunk(
-    parts: Sequence[torch.Tensor], lowers: Sequence[float]
-) -> tuple[torch.Tensor, float, float]:
-    """TIES steps 1–3 on one slice of every task vector (already in the compute dtype).
+def _kth_magnitude(flat: torch.Tensor, kept: int, compiled: bool) -> torch.Tensor:
+    """The ``kept``-th largest ``|flat|`` (``kth_largest``, or the fused count when compiled)."""
+    d = flat.numel()
+    if not (compiled and fusable(flat.dtype) and d > SMALL and flat.device.type == "cpu"):
+        return kth_largest(flat, kept, magnitude=True)
+    selector = StreamedKthLargest(flat[sample_positions(d)], kept, d, magnitude=True)
+    _, above, candidates = bracket_counts([flat], True, selector.key_bounds())
+    return selector.result_of_keys(lambda: flat, above, candidates)
+
+
+def ties_combine_kernel(
+    parts: Sequence[torch.Tensor], lowers: Sequence[torch.Tensor], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """TIES steps 1–3 on flat task vectors (or slices of them), in the compute ``dtype``.
 
     Returns ``(τ_m, present, agreeing)``: the disjoint mean, the number of entries with some
     non-zero trimmed value, and the number of those whose non-zero trimmed values all have the
-    elected sign.  Masks are exact 0/1 floats: ``a_i = relu(sign(τ̂_i)·s)`` marks the trimmed
-    values that agree with the elected sign ``s``.  The inputs are not modified.
+    elected sign (0-d float64).  Masks are exact 0/1 floats: ``a_i = relu(sign(τ̂_i)·s)`` marks
+    the trimmed values that agree with the elected sign ``s``.
     """
-    trimmed = [trim_magnitude(x, lo) for x, lo in zip(parts, lowers, strict=True)]
+    trimmed = []
+    for x, lower in zip(parts, lowers, strict=True):
+        x = x.to(dtype)
+        trimmed.append(torch.where(x.abs() > lower, x, 0.0))
     total = trimmed[0]
     for x in trimmed[1:]:
         total = total + x
     sign = torch.sign(total)
-    del total
-    num = count = present = torch.empty(0)
-    for i, x in enumerate(trimmed):
-        s = torch.sign(x)
-        agree = torch.relu_(s * sign)
-        term = x * agree
-        s.abs_()
-        if i == 0:
-            num, count, present = term, agree, s
-        else:
-            num.add_(term)
-            count.add_(agree)
-            present.add_(s)
-    conflicting = (present - count).clamp_(max=1.0)  # ≥ 1 non-zero value against the sign
-    n_present = float(present.clamp_(max=1.0).sum(dtype=torch.float64))
-    n_agree = n_present - float(conflicting.sum(dtype=torch.float64))
-    return num.div_(count.clamp(min=1.0)), n_present, n_agree
+    signs = [torch.sign(x) for x in trimmed]
+    agree = [torch.relu(s * sign) for s in signs]
+    num, count, present = trimmed[0] * agree[0], agree[0], signs[0].abs()
+    for x, s, a in zip(trimmed[1:], signs[1:], agree[1:], strict=True):
+        num, count, present = num + x * a, count + a, present + s.abs()
+    conflicting = (present - count).clamp(max=1.0)  # ≥ 1 non-zero value against the sign
+    n_present = present.clamp(max=1.0).sum(dtype=torch.float64)
+    n_agree = n_present - conflicting.sum(dtype=torch.float64)
+    return num / count.clamp(min=1.0), n_present, n_agree
 
 
-@dataclass
-class _Counts:
-    """Per-slice counts and sums of a fused TIES merge."""
-
-    present: float
-    agreeing: float
-    nonzero: int
-    sq: float
+def ties_kernel(
+    parts: list[torch.Tensor],
+    lowers: list[torch.Tensor],
+    gamma: torch.Tensor,
+    work_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """``(gamma·τ_m in out_dtype,), [present, agreeing, #non-zero, ‖result‖²]`` (a kernel)."""
+    merged, present, agreeing = ties_combine_kernel(parts, lowers, work_dtype)
+    final = (merged * gamma).to(out_dtype)
+    return (final,), torch.stack([present, agreeing, nonzero64(final), sq64(final)])
 
 
 def _check_inputs(tensors: Sequence[torch.Tensor]) -> torch.dtype:
@@ -117,7 +130,11 @@ def _check_inputs(tensors: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def _ties_tensor(
-    tensors: Sequence[torch.Tensor], k: float, gamma: float, dtype: torch.dtype | None
+    tensors: Sequence[torch.Tensor],
+    k: float,
+    gamma: float,
+    dtype: torch.dtype | None,
+    compiled: bool,
 ) -> tuple[torch.Tensor, dict, float]:
     """``(gamma·τ_m cast to dtype, stats, ‖result‖²)``; ``dtype=None`` keeps the compute dtype.
 
@@ -127,29 +144,20 @@ def _ties_tensor(
     work_dtype = _check_inputs(tensors)
     ref = tensors[0]
     device, d = ref.device, ref.numel()
-    out = torch.empty(d, dtype=work_dtype if dtype is None else dtype, device=device)
     kept = support_size(d, kf) if d else 0
-    lowers = trim_lowers(tensors, kept, work_dtype)
-    flats = [t.reshape(-1) for t in tensors]
-
-    def work(span: slice) -> _Counts:
-        parts = [f[span].to(device=device, dtype=work_dtype) for f in flats]
-        merged, present, agreeing = combine_chunk(parts, lowers)
-        if gamma != 1.0:
-            merged.mul_(gamma)
-        out[span] = merged
-        final = out[span]
-        return _Counts(present, agreeing, nonzeros(final), sum_sq(final))
-
-    counts = map_spans(work, d, device)
-    present = sum(c.present for c in counts)
+    lowers = trim_lowers(tensors, kept, work_dtype, compiled)
+    flats = [t.reshape(-1).to(device) for t in tensors]
+    g = torch.tensor(gamma, dtype=work_dtype, device=device)
+    args = (flats, lowers, g, work_dtype, work_dtype if dtype is None else dtype)
+    (out,), totals = run_kernel(ties_kernel, args, d, device, compiled)
+    present, agreeing, nonzero, sq = totals.tolist()
     stats = {
         "kept_per_vector": int(kept),
-        "support_fraction": sum(c.nonzero for c in counts) / d if d else 0.0,
-        "sign_agreement": sum(c.agreeing for c in counts) / present if present else 1.0,
+        "support_fraction": round(nonzero) / d if d else 0.0,
+        "sign_agreement": agreeing / present if present else 1.0,
         "num_vectors": len(tensors),
     }
-    return out.view(ref.shape), stats, sum(c.sq for c in counts)
+    return out.view(ref.shape), stats, sq
 
 
 def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tensor, dict]:
@@ -172,7 +180,9 @@ def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tenso
 
     Memory: the output, and one slice of every input with its temporaries, at a time.
     """
-    merged, stats, _ = _ties_tensor(tensors, k, 1.0, None)
+    d = tensors[0].numel() if len(tensors) else 0
+    device = tensors[0].device if len(tensors) else torch.device("cpu")
+    merged, stats, _ = _ties_tensor(tensors, k, 1.0, None, use_compiled(d, device))
     return merged, stats
 
 
@@ -202,9 +212,11 @@ def ties_merge(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
+    first = forget[0].task_vector
+    compiled = use_compiled(sum(first[key].numel() for key in keys), first[keys[0]].device)
     for key in keys:
         tensors = [u.task_vector[key] for u in forget]
-        final, stats, sq = _ties_tensor(tensors, kf, g, out_dtype(updates, key))
+        final, stats, sq = _ties_tensor(tensors, kf, g, out_dtype(updates, key), compiled)
         del tensors
         total_sq += sq
         tensors_report[key] = {

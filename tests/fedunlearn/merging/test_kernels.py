@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedunlearn.merging import firm_merge, kernels
+from fedunlearn.merging import firm_merge, fulm_merge, kernels, ties_merge
 from fedunlearn.merging.base import ClientUpdate
 
 
@@ -51,3 +51,20 @@ def test_compiled_firm_equals_eager(monkeypatch: pytest.MonkeyPatch, epsilon: fl
     for field in ("norm_base", "norm_final", "norm_forget_term", "norm_retain_term"):
         assert a[field] == pytest.approx(b[field], rel=1e-12)
     assert a["damage_after"]["c3"] == pytest.approx(b["damage_after"]["c3"], rel=1e-12)
+
+
+@pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler for inductor")
+@pytest.mark.parametrize("method", ["ties", "fulm"])
+def test_compiled_ties_and_fulm_equal_eager(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
+    ups = _clients((613, 700), torch.bfloat16)  # > SMALL entries: the fused trim count runs
+    merge = {"ties": ties_merge, "fulm": fulm_merge}[method]
+    kwargs = {"gamma": 0.7} if method == "ties" else {"gamma": 0.7, "threshold": -1.0}
+    monkeypatch.setenv(kernels.MODE_ENV, "eager")
+    eager = merge(ups, **kwargs)
+    monkeypatch.setenv(kernels.MODE_ENV, "compiled")
+    compiled = merge(ups, **kwargs)
+    assert torch.equal(compiled.delta["w"], eager.delta["w"])
+    assert 0 < int(torch.count_nonzero(eager.delta["w"])) < eager.delta["w"].numel()
+    a, b = compiled.report["tensors"]["w"], eager.report["tensors"]["w"]
+    assert a["norm"] == pytest.approx(b["norm"], rel=1e-12)
+    assert a["sign_agreement"] == pytest.approx(b["sign_agreement"], rel=1e-12)

@@ -12,6 +12,7 @@ from fedunlearn.merging import (
     _chunks,
     firm_merge,
     fulm_merge,
+    kernels,
     selection,
     ties_combine,
     ties_merge,
@@ -170,7 +171,7 @@ def test_errors() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_threshold_helpers_equal_where(dtype: torch.dtype) -> None:
+def test_below_turns_at_least_into_above(dtype: torch.dtype) -> None:
     g = torch.Generator().manual_seed(4)
     x = torch.randn(5000, generator=g, dtype=dtype)
     x[:50] = 0.0
@@ -179,11 +180,10 @@ def test_threshold_helpers_equal_where(dtype: torch.dtype) -> None:
     for thr in (0.0, float(x[60]), 0.5, float(x.abs()[100]), float(x[200])):
         t = torch.tensor(thr, dtype=dtype)
         lower = _chunks.below(t)
-        assert torch.equal(_chunks.keep_at_least(x, lower), torch.where(x >= t, x, 0.0))
-        want = torch.where(x.abs() >= t, x, 0.0)
-        assert torch.equal(_chunks.trim_magnitude(x, lower), want)
+        kept = kernels.kept_above(x, torch.tensor(lower, dtype=dtype))
+        assert torch.equal(kept, torch.where(x >= t, x, 0.0))
+        assert torch.equal(x.abs() > lower, x.abs() >= t)
     assert _chunks.below(torch.tensor(-math.inf)) == -math.inf
-    assert _chunks.nonzeros(x) == int(torch.count_nonzero(x))
 
 
 # ------------------------------------------------ fused merges equal the whole-tensor formulas
