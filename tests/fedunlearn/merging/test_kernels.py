@@ -43,6 +43,7 @@ def test_compiled_firm_equals_eager(monkeypatch: pytest.MonkeyPatch, epsilon: fl
     monkeypatch.setenv(kernels.MODE_ENV, "eager")
     eager = firm_merge(ups, alpha=0.1, epsilon=epsilon)
     monkeypatch.setenv(kernels.MODE_ENV, "compiled")
+    monkeypatch.setattr(kernels, "COUNT_SLICE", 1 << 16)  # the counts over several slices
     compiled = firm_merge(ups, alpha=0.1, epsilon=epsilon)
     assert torch.equal(compiled.delta["w"], eager.delta["w"])
     assert int(torch.count_nonzero(eager.delta["w"])) > 0
@@ -62,6 +63,7 @@ def test_compiled_ties_and_fulm_equal_eager(monkeypatch: pytest.MonkeyPatch, met
     monkeypatch.setenv(kernels.MODE_ENV, "eager")
     eager = merge(ups, **kwargs)
     monkeypatch.setenv(kernels.MODE_ENV, "compiled")
+    monkeypatch.setattr(kernels, "COUNT_SLICE", 1 << 16)  # the counts over several slices
     compiled = merge(ups, **kwargs)
     assert torch.equal(compiled.delta["w"], eager.delta["w"])
     assert 0 < int(torch.count_nonzero(eager.delta["w"])) < eager.delta["w"].numel()
