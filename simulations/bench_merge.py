@@ -79,6 +79,7 @@ from fedunlearn.merging import (
     firm_merge,
     fisher_damage,
     get_merge,
+    kernels,
     normalize_and_sparsify,
     project_retention,
 )
@@ -749,6 +750,8 @@ def _environment(cfg: BenchConfig) -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),
         "torch_threads": cfg.threads,
+        "merge_kernels": kernels.mode(),
+        "compiler_available": kernels.compiler_available(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
     }
 
@@ -867,6 +870,8 @@ def format_report(results: dict[str, Any]) -> str:
         f"of {cfg['rows']}x{cfg['cols']} ({inp['fraction_of_paper_entries']:.3g}x the paper's "
         f"entries per tensor), {cfg['dtype']}, {cfg['threads']} thread(s), best of "
         f"{cfg['repeats']}",
+        f"Merge kernels: ${kernels.MODE_ENV}={results['environment']['merge_kernels']} "
+        f"(C++ compiler for inductor: {results['environment']['compiler_available']})",
         f"Input size: {inp['main_gb']:.3f} GB (task vectors + Fisher diagonals; the "
         f"m={cfg['multi_retain']} input adds {inp['multi_retain_extra_bytes'] / 1e9:.3f} GB); "
         f"generated in {inp['generation_seconds']:.1f} s",
