@@ -42,8 +42,6 @@ COMPILE_MIN_ENTRIES = 1 << 24
 
 #: Entries per compiled call of :func:`bracket_counts`.
 COUNT_SLICE = 1 << 22
-#: Unsigned numpy type of each key-offset width (in bytes).
-_UNSIGNED = {2: np.uint16, 4: np.uint32}
 
 Kernel = Callable[..., tuple[tuple[torch.Tensor, ...], torch.Tensor]]
 
@@ -136,12 +134,8 @@ def nonzero64(x: torch.Tensor) -> torch.Tensor:
     return (x != 0).sum().to(torch.float64)
 
 
-#: Integer type of each floating dtype's bit patterns, and the mask of its magnitude bits.
-_BITS = {
-    torch.float16: (torch.int16, 0x7FFF),
-    torch.bfloat16: (torch.int16, 0x7FFF),
-    torch.float32: (torch.int32, 0x7FFFFFFF),
-}
+#: Input dtypes of :func:`bracket_counts`' pooled means.
+_FUSABLE = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def bracket_kernel(
@@ -151,14 +145,14 @@ def bracket_kernel(
 
     The values ``v`` are the float32 mean of ``parts`` (a pooled Fisher, or a lone one) with
     keys their bit patterns (``-0.0`` read as ``0.0``), or with ``magnitude`` the entries of
-    the one part, keyed by the bit patterns of ``|part|`` in its dtype (then ``max v`` is 0).
-    ``lo <= hi`` are non-negative keys (0-d int32); ``key − lo`` fits the keys' integer type,
-    and read as unsigned it is ``<= hi − lo`` exactly for the keys in the bracket.
+    the one float32 part, keyed by the bit patterns of ``|part|`` (then ``max v`` is 0; 16-bit
+    magnitudes are ranked by a histogram instead, see :func:`~.selection.kth_largest`).
+    ``lo <= hi`` are non-negative int32 keys; ``key − lo`` fits int32, and read as unsigned it
+    is ``<= hi − lo`` exactly for the keys in the bracket.
     """
     if magnitude:
         x = parts[0]
-        int_dtype, mask = _BITS[x.dtype]
-        keys = x.view(int_dtype) & mask  # 16-bit keys stay 16-bit: ``key − lo`` fits
+        keys = x.view(torch.int32) & 0x7FFFFFFF
         top = torch.zeros((), dtype=torch.float64, device=x.device)
     else:
         v = mean_of(parts)
@@ -168,8 +162,8 @@ def bracket_kernel(
 
 
 def fusable(dtype: torch.dtype) -> bool:
-    """Whether :func:`bracket_counts` takes inputs of ``dtype`` (16- and 32-bit floats)."""
-    return dtype in _BITS
+    """Whether :func:`bracket_counts` pools inputs of ``dtype`` (16- and 32-bit floats)."""
+    return dtype in _FUSABLE
 
 
 def bracket_counts(
@@ -193,7 +187,6 @@ def bracket_counts(
         maxima.append(sums[0])
         above += int(sums[1])
         off = offsets.numpy()
-        unsigned = off.view(_UNSIGNED[off.dtype.itemsize])
-        candidates.append(off[unsigned <= hi - lo])
+        candidates.append(off[off.view(np.uint32) <= hi - lo])
     keys = np.concatenate(candidates).astype(np.int64) + lo
     return torch.stack(maxima).max().to(torch.float32), above, keys

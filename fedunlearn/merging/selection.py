@@ -24,12 +24,15 @@ inputs).  Tensors off the CPU, and small ones, go straight to ``torch.kthvalue``
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Literal
 
 import numpy as np
 import torch
+
+from ._chunks import map_spans
 
 #: Entries sampled to place the bracket.
 _SAMPLE = 1 << 16
@@ -47,6 +50,9 @@ _INT_OF = {
     torch.float32: torch.int32,
     torch.float64: torch.int64,
 }
+#: 16-bit dtypes whose magnitude selections count a histogram of all keys instead.
+_HISTOGRAMMED = (torch.float16, torch.bfloat16)
+_MAGNITUDE_16 = 0x7FFF
 _NUMPY_INT = {torch.int16: np.int16, torch.int32: np.int32, torch.int64: np.int64}
 
 
@@ -208,6 +214,23 @@ def _kth_of_candidates(
     return _from_key(int(np.partition(cand, pos)[pos]), kind, dtype)
 
 
+def _kth_of_histogram(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest ``|x|`` of a flat 16-bit CPU tensor, from the histogram of its keys.
+
+    A 16-bit float has only 2¹⁵ magnitudes, so one counting pass (``torch.bincount`` of the
+    magnitude bits, slice by slice over the threads) ranks them all exactly; for values
+    ``>= 0`` the magnitude is the value (``-0.0`` is counted as ``0.0``, an equal value).
+    """
+
+    def counts(span: slice) -> torch.Tensor:
+        return torch.bincount(flat[span].view(torch.int16) & _MAGNITUDE_16, minlength=1 << 15)
+
+    histogram = functools.reduce(torch.add, map_spans(counts, flat.numel(), flat.device))
+    from_top = histogram.flip(0).cumsum(0)  # from_top[i]: entries with key >= 2¹⁵ − 1 − i
+    key = (1 << 15) - 1 - int(torch.searchsorted(from_top, k))
+    return _from_key(key, "magnitude", flat.dtype)
+
+
 def kth_largest(
     x: torch.Tensor, k: int, *, magnitude: bool = False, nonnegative: bool = False
 ) -> torch.Tensor:
@@ -229,6 +252,8 @@ def kth_largest(
     if d <= SMALL or flat.device.type != "cpu":
         values = flat.abs() if magnitude else flat
         return torch.kthvalue(values, d - k + 1).values
+    if x.dtype in _HISTOGRAMMED and (magnitude or nonnegative):
+        return _kth_of_histogram(flat, k)
     kind = _key_kind(magnitude, nonnegative)
     bits = flat.view(_INT_OF[x.dtype]).numpy()
     lo, hi = _bracket(bits, k, d, kind)

@@ -32,7 +32,7 @@ from ._chunks import below
 from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
-from .kernels import bracket_counts, fusable, nonzero64, run_kernel, sq64, use_compiled
+from .kernels import bracket_counts, nonzero64, run_kernel, sq64, use_compiled
 from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
 #: Default TIES support fraction (top 20 % of every task vector).
@@ -59,9 +59,9 @@ def trim_lowers(
 
 
 def _kth_magnitude(flat: torch.Tensor, kept: int, compiled: bool) -> torch.Tensor:
-    """The ``kept``-th largest ``|flat|`` (``kth_largest``, or the fused count when compiled)."""
+    """The ``kept``-th largest ``|flat|`` (``kth_largest``; compiled, float32 by a fused count)."""
     d = flat.numel()
-    if not (compiled and fusable(flat.dtype) and d > SMALL and flat.device.type == "cpu"):
+    if not (compiled and flat.dtype == torch.float32 and d > SMALL and flat.device.type == "cpu"):
         return kth_largest(flat, kept, magnitude=True)
     selector = StreamedKthLargest(flat[sample_positions(d)], kept, d, magnitude=True)
     _, above, candidates = bracket_counts([flat], True, selector.key_bounds())

@@ -55,9 +55,12 @@ def test_compiled_firm_equals_eager(monkeypatch: pytest.MonkeyPatch, epsilon: fl
 
 
 @pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler for inductor")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # float32: fused trim counts
 @pytest.mark.parametrize("method", ["ties", "fulm"])
-def test_compiled_ties_and_fulm_equal_eager(monkeypatch: pytest.MonkeyPatch, method: str) -> None:
-    ups = _clients((613, 700), torch.bfloat16)  # > SMALL entries: the fused trim count runs
+def test_compiled_ties_and_fulm_equal_eager(
+    monkeypatch: pytest.MonkeyPatch, method: str, dtype: torch.dtype
+) -> None:
+    ups = _clients((613, 700), dtype)  # > SMALL entries
     merge = {"ties": ties_merge, "fulm": fulm_merge}[method]
     kwargs = {"gamma": 0.7} if method == "ties" else {"gamma": 0.7, "threshold": -1.0}
     monkeypatch.setenv(kernels.MODE_ENV, "eager")
