@@ -34,7 +34,15 @@ from .kernels import (
     use_compiled,
 )
 from .projection import DEFAULT_SOLVER, _project_checked, check_solver
-from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
+from .selection import (
+    SMALL,
+    StreamedKthLargest,
+    histogrammed,
+    kth_largest,
+    kth_of_histogram,
+    magnitude_histogram,
+    sample_positions,
+)
 
 # Solver summary and KKT certificate copied from project_retention's report, per tensor.
 _PROJECTION_KEYS: tuple[str, ...] = (
@@ -94,12 +102,17 @@ def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFis
     d = flat.numel()
     if d == 0:
         return _SparsifiedFisher.of([flat], torch.ones((), device=flat.device), -math.inf)
-    scale = flat.max().to(torch.float32) + eps0
     k = support_size(d, alpha)
+    if histogrammed(flat):  # a lone 16-bit Fisher: its maximum and k-th value from one pass
+        histogram = magnitude_histogram(flat)
+        top, kth = (kth_of_histogram(histogram, r, flat.dtype) for r in (1, k))
+    else:
+        top = flat.max()
+        kth = kth_largest(flat, k, nonnegative=True) if k < d else top
+    scale = top.to(torch.float32) + eps0
     if k >= d:
         return _SparsifiedFisher.of([flat], scale, -math.inf)
-    threshold = kth_largest(flat, k, nonnegative=True).to(torch.float32) / scale
-    return _SparsifiedFisher.of([flat], scale, below(threshold))
+    return _SparsifiedFisher.of([flat], scale, below(kth.to(torch.float32) / scale))
 
 
 def normalize_and_sparsify(fisher: torch.Tensor, alpha: float, eps0: float) -> torch.Tensor:
@@ -181,13 +194,15 @@ def _pooled_sparsifier(
     every slice of ``F`` is pooled (``compiled``: by the fused counting kernel), maxed and
     counted for the threshold, and dropped: the merge kernel pools it again slice by slice
     (reading the raw Fishers once more costs less memory traffic than writing and re-reading a
-    float32 ``F``).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`.
+    float32 ``F``).  A lone Fisher goes to :func:`_sparsifier` (when ``compiled``, only a
+    16-bit one, whose histogram pass is cheaper than the fused count).
     """
     flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
     k = support_size(d, alpha) if d else 0
     compiled = compiled and all(fusable(f.dtype) for f in flats)
-    if (len(flats) == 1 and not compiled) or device.type != "cpu" or d <= SMALL or k >= d:
+    lone = len(flats) == 1 and (not compiled or histogrammed(flats[0]))
+    if lone or device.type != "cpu" or d <= SMALL or k >= d:
         return _sparsifier(_pooled(fishers, device), alpha, eps0)
     positions = sample_positions(d)
     pooled_sample = mean_of([f[positions] for f in flats])

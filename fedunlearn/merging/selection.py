@@ -214,21 +214,30 @@ def _kth_of_candidates(
     return _from_key(int(np.partition(cand, pos)[pos]), kind, dtype)
 
 
-def _kth_of_histogram(flat: torch.Tensor, k: int) -> torch.Tensor:
-    """The k-th largest ``|x|`` of a flat 16-bit CPU tensor, from the histogram of its keys.
+def magnitude_histogram(flat: torch.Tensor) -> torch.Tensor:
+    """How many entries of a flat 16-bit CPU tensor have each of the 2¹⁵ magnitudes (int64).
 
-    A 16-bit float has only 2¹⁵ magnitudes, so one counting pass (``torch.bincount`` of the
-    magnitude bits, slice by slice over the threads) ranks them all exactly; for values
-    ``>= 0`` the magnitude is the value (``-0.0`` is counted as ``0.0``, an equal value).
+    One counting pass (``torch.bincount`` of the magnitude bits, slice by slice over the
+    threads).  A 16-bit float has only 2¹⁵ magnitudes, so this ranks them all exactly; for
+    values ``>= 0`` the magnitude is the value (``-0.0`` is counted as ``0.0``, an equal value).
     """
 
     def counts(span: slice) -> torch.Tensor:
         return torch.bincount(flat[span].view(torch.int16) & _MAGNITUDE_16, minlength=1 << 15)
 
-    histogram = functools.reduce(torch.add, map_spans(counts, flat.numel(), flat.device))
+    return functools.reduce(torch.add, map_spans(counts, flat.numel(), flat.device))
+
+
+def kth_of_histogram(histogram: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The k-th largest magnitude (0-d ``dtype``) counted by :func:`magnitude_histogram`."""
     from_top = histogram.flip(0).cumsum(0)  # from_top[i]: entries with key >= 2¹⁵ − 1 − i
     key = (1 << 15) - 1 - int(torch.searchsorted(from_top, k))
-    return _from_key(key, "magnitude", flat.dtype)
+    return _from_key(key, "magnitude", dtype)
+
+
+def histogrammed(x: torch.Tensor) -> bool:
+    """Whether ``x``'s magnitude selections go through :func:`magnitude_histogram`."""
+    return x.dtype in _HISTOGRAMMED and x.device.type == "cpu" and x.numel() > SMALL
 
 
 def kth_largest(
@@ -252,8 +261,8 @@ def kth_largest(
     if d <= SMALL or flat.device.type != "cpu":
         values = flat.abs() if magnitude else flat
         return torch.kthvalue(values, d - k + 1).values
-    if x.dtype in _HISTOGRAMMED and (magnitude or nonnegative):
-        return _kth_of_histogram(flat, k)
+    if histogrammed(flat) and (magnitude or nonnegative):
+        return kth_of_histogram(magnitude_histogram(flat), k, x.dtype)
     kind = _key_kind(magnitude, nonnegative)
     bits = flat.view(_INT_OF[x.dtype]).numpy()
     lo, hi = _bracket(bits, k, d, kind)
