@@ -102,16 +102,17 @@ def _sparsifier(flat: torch.Tensor, alpha: float, eps0: float) -> _SparsifiedFis
     d = flat.numel()
     if d == 0:
         return _SparsifiedFisher.of([flat], torch.ones((), device=flat.device), -math.inf)
-    k = support_size(d, alpha)
-    if histogrammed(flat):  # a lone 16-bit Fisher: its maximum and k-th value from one pass
-        histogram = magnitude_histogram(flat)
-        top, kth = (kth_of_histogram(histogram, r, flat.dtype) for r in (1, k))
-    else:
-        top = flat.max()
-        kth = kth_largest(flat, k, nonnegative=True) if k < d else top
+    # a large 16-bit Fisher: its maximum and k-th value from one histogram pass
+    histogram = magnitude_histogram(flat) if histogrammed(flat) else None
+    top = flat.max() if histogram is None else kth_of_histogram(histogram, 1, flat.dtype)
     scale = top.to(torch.float32) + eps0
+    k = support_size(d, alpha)
     if k >= d:
         return _SparsifiedFisher.of([flat], scale, -math.inf)
+    if histogram is None:
+        kth = kth_largest(flat, k, nonnegative=True)
+    else:
+        kth = kth_of_histogram(histogram, k, flat.dtype)
     return _SparsifiedFisher.of([flat], scale, below(kth.to(torch.float32) / scale))
 
 
@@ -467,8 +468,7 @@ def firm_merge(
     position = {id(u): i for i, u in enumerate(updates)}
     domain_idx = [[position[id(u)] for u in members] for members in domains.values()]
     retain_idx = [position[id(u)] for u in retain]
-    first = updates[0].task_vector
-    compiled = use_compiled(sum(first[k].numel() for k in keys), first[keys[0]].device)
+    compiled = use_compiled([updates[0].task_vector[k] for k in keys])
     for key in keys:
         tvs = [u.task_vector[key] for u in updates]
         fishers = [u.fisher[key] for u in updates]  # type: ignore[index]

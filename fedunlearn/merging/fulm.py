@@ -224,8 +224,7 @@ def _fulm(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
-    first = updates[0].task_vector
-    compiled = use_compiled(sum(first[key].numel() for key in keys), first[keys[0]].device)
+    compiled = use_compiled([updates[0].task_vector[key] for key in keys])
     for key in keys:
         tensors = [u.task_vector[key] for u in updates]
         final, sums = _fulm_tensor(tensors, clusters, kf, scale, compiled)

@@ -66,12 +66,15 @@ def compiler_available() -> bool:
     return True
 
 
-def use_compiled(entries_per_client: int, device: torch.device) -> bool:
-    """Whether a merge of ``entries_per_client`` entries (per client, all tensors) compiles."""
+def use_compiled(client_tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether a merge of these tensors (one client's, every merged weight) compiles."""
     chosen = mode()
-    if chosen == "eager" or device.type != "cpu" or not compiler_available():
+    if not client_tensors or chosen == "eager" or client_tensors[0].device.type != "cpu":
         return False
-    return chosen == "compiled" or entries_per_client >= COMPILE_MIN_ENTRIES
+    if not compiler_available():
+        return False
+    entries = sum(t.numel() for t in client_tensors)
+    return chosen == "compiled" or entries >= COMPILE_MIN_ENTRIES
 
 
 @functools.cache

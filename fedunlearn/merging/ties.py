@@ -40,7 +40,7 @@ DEFAULT_K = 0.2
 
 
 def trim_lowers(
-    tensors: Sequence[torch.Tensor], kept: int, dtype: torch.dtype, compiled: bool = False
+    tensors: Sequence[torch.Tensor], kept: int, dtype: torch.dtype, compiled: bool
 ) -> list[torch.Tensor]:
     """Per tensor, the largest ``dtype`` value below its ``kept``-th largest magnitude (0-d).
 
@@ -180,9 +180,7 @@ def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tenso
 
     Memory: the output, and one slice of every input with its temporaries, at a time.
     """
-    d = tensors[0].numel() if len(tensors) else 0
-    device = tensors[0].device if len(tensors) else torch.device("cpu")
-    merged, stats, _ = _ties_tensor(tensors, k, 1.0, None, use_compiled(d, device))
+    merged, stats, _ = _ties_tensor(tensors, k, 1.0, None, use_compiled(tensors[:1]))
     return merged, stats
 
 
@@ -212,8 +210,7 @@ def ties_merge(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
-    first = forget[0].task_vector
-    compiled = use_compiled(sum(first[key].numel() for key in keys), first[keys[0]].device)
+    compiled = use_compiled([forget[0].task_vector[key] for key in keys])
     for key in keys:
         tensors = [u.task_vector[key] for u in forget]
         final, stats, sq = _ties_tensor(tensors, kf, g, out_dtype(updates, key), compiled)
