@@ -66,15 +66,21 @@ def compiler_available() -> bool:
     return True
 
 
-def use_compiled(client_tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether a merge of these tensors (one client's, every merged weight) compiles."""
+def use_compiled(
+    client_tensors: Sequence[torch.Tensor], min_entries: int = COMPILE_MIN_ENTRIES
+) -> bool:
+    """Whether a merge of these tensors (one client's, every merged weight) compiles.
+
+    ``auto`` compiles from ``min_entries`` entries in total (the projection, which passes over
+    its coordinates tens of times, sets a lower bar than the one-pass merges).
+    """
     chosen = mode()
     if not client_tensors or chosen == "eager" or client_tensors[0].device.type != "cpu":
         return False
     if not compiler_available():
         return False
     entries = sum(t.numel() for t in client_tensors)
-    return chosen == "compiled" or entries >= COMPILE_MIN_ENTRIES
+    return chosen == "compiled" or entries >= min_entries
 
 
 @functools.cache
