@@ -25,10 +25,10 @@ CHUNK = 1 << 18
 _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
-def spans(numel: int) -> Iterator[slice]:
-    """Consecutive slices of at most :data:`CHUNK` entries covering ``range(numel)``."""
-    for start in range(0, numel, CHUNK):
-        yield slice(start, min(start + CHUNK, numel))
+def spans(numel: int, chunk: int = CHUNK) -> Iterator[slice]:
+    """Consecutive slices of at most ``chunk`` entries covering ``range(numel)``."""
+    for start in range(0, numel, chunk):
+        yield slice(start, min(start + chunk, numel))
 
 
 @contextmanager
@@ -42,8 +42,10 @@ def _single_threaded_ops() -> Iterator[None]:
         torch.set_num_threads(saved)
 
 
-def map_spans(fn: Callable[[slice], T], numel: int, device: torch.device) -> list[T]:
-    """``[fn(span) for span in spans(numel)]``, the spans spread over the intra-op threads.
+def map_spans(
+    fn: Callable[[slice], T], numel: int, device: torch.device, chunk: int = CHUNK
+) -> list[T]:
+    """``[fn(span) for span in spans(numel, chunk)]``, the spans spread over the intra-op threads.
 
     On the CPU with several torch threads, every span runs single-threaded in one of that
     many worker threads (the operators release the GIL), instead of every small operator
@@ -54,13 +56,13 @@ def map_spans(fn: Callable[[slice], T], numel: int, device: torch.device) -> lis
     process-wide (restored afterwards).
     """
     threads = torch.get_num_threads()
-    if threads <= 1 or numel <= CHUNK or device.type != "cpu":
-        return [fn(span) for span in spans(numel)]
+    if threads <= 1 or numel <= chunk or device.type != "cpu":
+        return [fn(span) for span in spans(numel, chunk)]
     pool = _POOLS.get(threads)
     if pool is None:
         pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="merge-slices")
     with _single_threaded_ops():
-        return list(pool.map(fn, spans(numel)))
+        return list(pool.map(fn, spans(numel, chunk)))
 
 
 def below(threshold: torch.Tensor | float) -> float:

@@ -175,6 +175,11 @@ def fusable(dtype: torch.dtype) -> bool:
     return dtype in _FUSABLE
 
 
+def _in_bracket(offsets: np.ndarray, width: int) -> np.ndarray:
+    """The offsets (``key − lo``) that are ``<= width`` read as unsigned: the keys in range."""
+    return offsets[offsets.view(np.uint32) <= width]
+
+
 def bracket_counts(
     parts: Sequence[torch.Tensor], magnitude: bool, bounds: tuple[int, int]
 ) -> tuple[torch.Tensor, int, np.ndarray]:
@@ -183,7 +188,7 @@ def bracket_counts(
     Keys and values as in :func:`bracket_kernel`, compiled, on slices of :data:`COUNT_SLICE`
     entries (each call costs a fixed fraction of a millisecond); the candidates (a few per cent
     of the entries) are picked from each slice's offsets by numpy (about 6x faster than torch's
-    boolean indexing).
+    boolean indexing), part by part over the threads.
     """
     lo, hi = bounds
     lo_t, hi_t = (torch.tensor(b, dtype=torch.int32) for b in bounds)
@@ -196,6 +201,8 @@ def bracket_counts(
         maxima.append(sums[0])
         above += int(sums[1])
         off = offsets.numpy()
-        candidates.append(off[off.view(np.uint32) <= hi - lo])
+        candidates += map_spans(
+            lambda sp, off=off: _in_bracket(off[sp], hi - lo), off.size, offsets.device
+        )
     keys = np.concatenate(candidates).astype(np.int64) + lo
     return torch.stack(maxima).max().to(torch.float32), above, keys

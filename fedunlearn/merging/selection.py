@@ -225,7 +225,9 @@ def magnitude_histogram(flat: torch.Tensor) -> torch.Tensor:
     def counts(span: slice) -> torch.Tensor:
         return torch.bincount(flat[span].view(torch.int16) & _MAGNITUDE_16, minlength=1 << 15)
 
-    return functools.reduce(torch.add, map_spans(counts, flat.numel(), flat.device))
+    # slices of 2^21 entries: fewer 2^15-bin histograms to clear and add than with CHUNK
+    parts = map_spans(counts, flat.numel(), flat.device, chunk=1 << 21)
+    return functools.reduce(torch.add, parts)
 
 
 def kth_of_histogram(histogram: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
