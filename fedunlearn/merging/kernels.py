@@ -175,9 +175,10 @@ def fusable(dtype: torch.dtype) -> bool:
     return dtype in _FUSABLE
 
 
-def _in_bracket(offsets: np.ndarray, width: int) -> np.ndarray:
-    """The offsets (``key − lo``) that are ``<= width`` read as unsigned: the keys in range."""
-    return offsets[offsets.view(np.uint32) <= width]
+def _in_bracket(offsets: np.ndarray, width: int, span: slice) -> np.ndarray:
+    """The offsets (``key − lo``) in ``span`` that are ``<= width`` read as unsigned."""
+    part = offsets[span]
+    return part[part.view(np.uint32) <= width]
 
 
 def bracket_counts(
@@ -202,7 +203,7 @@ def bracket_counts(
         above += int(sums[1])
         off = offsets.numpy()
         candidates += map_spans(
-            lambda sp, off=off: _in_bracket(off[sp], hi - lo), off.size, offsets.device
+            functools.partial(_in_bracket, off, hi - lo), off.size, offsets.device
         )
     keys = np.concatenate(candidates).astype(np.int64) + lo
     return torch.stack(maxima).max().to(torch.float32), above, keys
