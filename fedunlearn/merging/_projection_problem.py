@@ -74,7 +74,9 @@ def _toward_zero(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     First to float32 toward zero (round to nearest, then one step back, by the bit pattern,
     where that rounded away from zero), then, since every narrower float is also a float32,
     toward zero from there: by clearing the low bits for bfloat16, else round to nearest and
-    step back.
+    step back.  (Not :func:`~.projection.cast_toward_zero`: that one branches on the data,
+    and without the branch its ``nextafter`` on bfloat16, compiled, gave other casts than
+    eagerly for thousands of entries in ``test_compiled_passes_match_eager``.)
     """
     if dtype == torch.float64:
         return x
@@ -160,6 +162,20 @@ def _solver_support(flat: torch.Tensor, fishers: Sequence[torch.Tensor]) -> torc
     return _positions(mask, flat.numel() if fishers else 0, flat.device)
 
 
+def _run(
+    kernel: Callable,
+    fs: list[torch.Tensor],
+    base: torch.Tensor,
+    lam: torch.Tensor,
+    flag: object,
+    compiled: bool,
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """``kernel(fs, base, [2λ_k, 0-d float64], flag)`` over the coordinates; sums on the CPU."""
+    lam2 = [torch.tensor(2.0 * float(x), dtype=torch.float64) for x in lam]
+    outs, sums = run_kernel(kernel, (fs, base, lam2, flag), base.numel(), base.device, compiled)
+    return outs, sums.cpu()
+
+
 def gather_kernel(
     rows: list[torch.Tensor], idx: torch.Tensor, dtype: torch.dtype
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
@@ -207,40 +223,25 @@ class Restricted:
         narrow = all(t.dtype in _NARROW for t in [flat, *flat_f])
         compiled = use_compiled([flat], COMPILE_MIN_ENTRIES)
         cols = _gather([flat, *flat_f], idx, torch.float32 if narrow else torch.float64, compiled)
-        prob = cls(idx, cols[0], list(cols[1:]), compiled, None, 0.0)  # type: ignore[arg-type]
-        m = len(flat_f)
+        base, fs = cols[0], cols[1:]
+        m = len(fs)
         lam = torch.zeros(m, dtype=torch.float64)
-        sums = prob._sums(dual_kernel, lam, m > 1)
-        prob.norm_sq = float(sums[1]) if m else 0.0
-        prob.start = prob._point(lam, sums, m > 1)
-        return prob
+        sums = (
+            _run(dual_kernel, fs, base, lam, m > 1, compiled)[1]
+            if m
+            else torch.zeros(2, dtype=torch.float64)
+        )
+        start = _point(lam, sums, m > 1)
+        return cls(idx, base, fs, compiled, start, float(sums[1]) if m else 0.0)
 
     @property
     def m(self) -> int:
         return len(self.fs)
 
-    def _sums(self, kernel: Callable, lam: torch.Tensor, flag: object) -> torch.Tensor:
-        if not self.fs:
-            return torch.zeros(2, dtype=torch.float64)
-        lam2 = [torch.tensor(2.0 * float(x), dtype=torch.float64) for x in lam]
-        args = (self.fs, self.base, lam2, flag)
-        _, sums = run_kernel(kernel, args, self.idx.numel(), self.idx.device, self.compiled)
-        return sums.cpu()
-
-    def _point(self, lam: torch.Tensor, sums: torch.Tensor, hessian: bool) -> DualPoint:
-        m = self.m
-        hess = None
-        if hessian:
-            upper = iter((-4.0 * sums[2 + m :]).tolist())
-            hess = torch.zeros((m, m), dtype=torch.float64)
-            for k in range(m):
-                for k2 in range(k, m):
-                    hess[k, k2] = hess[k2, k] = next(upper)
-        return DualPoint(lam.clone(), 0.5 * float(sums[0]), sums[2 : 2 + m].clone(), hess)
-
     def evaluate(self, lam: torch.Tensor, hessian: bool = False) -> DualPoint:
         """The sums at ``λ`` (a float64 CPU vector) in one pass."""
-        return self._point(lam, self._sums(dual_kernel, lam, hessian), hessian)
+        _, sums = _run(dual_kernel, self.fs, self.base, lam, hessian, self.compiled)
+        return _point(lam, sums, hessian)
 
     def damages(self, values: torch.Tensor) -> list[float]:
         """``b_k = Σ_j F̃_k(j)·v(j)²`` of values ``v`` on the solver coordinates, for every k.
@@ -249,9 +250,8 @@ class Restricted:
         """
         if not self.fs:
             return []
-        zeros = [torch.zeros((), dtype=torch.float64)] * self.m
-        args = (self.fs, values, zeros, False)
-        _, sums = run_kernel(dual_kernel, args, values.numel(), values.device, self.compiled)
+        lam = torch.zeros(self.m, dtype=torch.float64)
+        _, sums = _run(dual_kernel, self.fs, values, lam, False, self.compiled)
         return [float(x) for x in sums[2:]]
 
     def certify(
@@ -262,16 +262,26 @@ class Restricted:
         Returns ``(b, b after the cast, ½‖Δ* − Δ_base‖², ½ Σ Δ_base²·s/(1 + s))``, ``b`` of the
         float64 point before the cast.
         """
-        lam2 = [torch.tensor(2.0 * float(x), dtype=torch.float64) for x in lam]
-        args = (self.fs, self.base, lam2, out.dtype)
+        (cast,), sums = _run(certificate_kernel, self.fs, self.base, lam, out.dtype, self.compiled)
         n, dev = self.idx.numel(), self.idx.device
-        (cast,), sums = run_kernel(certificate_kernel, args, n, dev, self.compiled)
 
         def write(span: slice) -> None:
             out.index_copy_(0, self.idx[span], cast[span])
 
         map_spans(write, n, dev)
-        sums = sums.cpu()
         m = self.m
         after = [float(x) for x in sums[m : 2 * m]]
         return sums[:m].clone(), after, 0.5 * float(sums[2 * m]), 0.5 * float(sums[2 * m + 1])
+
+
+def _point(lam: torch.Tensor, sums: torch.Tensor, hessian: bool) -> DualPoint:
+    """The :class:`DualPoint` at ``λ`` from :func:`dual_kernel`'s sums (Hessian: −4 × them)."""
+    m = lam.numel()
+    hess = None
+    if hessian:
+        upper = iter((-4.0 * sums[2 + m :]).tolist())
+        hess = torch.zeros((m, m), dtype=torch.float64)
+        for k in range(m):
+            for k2 in range(k, m):
+                hess[k, k2] = hess[k2, k] = next(upper)
+    return DualPoint(lam.clone(), 0.5 * float(sums[0]), sums[2 : 2 + m].clone(), hess)

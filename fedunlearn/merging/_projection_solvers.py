@@ -118,12 +118,14 @@ def increase_only(
             if b_k <= epsilon:
                 continue
             lam = point.lam
+            seen: dict[float, DualPoint] = {}
 
-            def damage(x: float, k: int = k, lam: torch.Tensor = lam) -> float:
-                return float(prob.evaluate(_with(lam, k, x)).b[k])
+            def damage(x: float, k: int = k, lam: torch.Tensor = lam, seen: dict = seen) -> float:
+                seen[x] = prob.evaluate(_with(lam, k, x))
+                return float(seen[x].b[k])
 
             new_lam, it = _solve_one(damage, float(lam[k]), b_k, fmax[k], epsilon, tau, max_iter)
-            point = prob.evaluate(_with(lam, k, new_lam))
+            point = seen[new_lam]  # the feasible end was evaluated
             iterations += it + 1
             changed = True
         if not changed:
