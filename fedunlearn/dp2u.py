@@ -21,9 +21,69 @@ from dataclasses import dataclass
 import torch
 
 from fedunlearn.benchmarks.tofu import TofuData
+from fedunlearn.options import (
+    POSITIVE,
+    POSITIVE_INT,
+    Number,
+    OneOf,
+    Parsed,
+    option,
+    option_group,
+)
 from fedunlearn.training.batching import Example
 
 STAGES = ("dp-base", "mlm-base", "public-base", "deploy", "unlearn", "retrain")
+#: The DP2Unlearning methods and the baselines run by the same pipeline.
+DP2U_METHODS = ("dp2u-sgd", "dp2u-mlm", "rfs-r", "ga", "graddiff", "kl", "idk")
+
+
+def _check_forget_request(text: str) -> None:
+    """An inline JSON forget request parses (a file path is read by the pipeline)."""
+    if text.strip().startswith("{"):
+        parse_forget_request(text)
+
+
+@option_group("dp2u")
+@dataclass(frozen=True)
+class Dp2uOptions:
+    """DP2Unlearning (``pipeline = "dp2u"``; ``[tool.flwr.app.config.dp2u]``)."""
+
+    method: str = option(
+        "dp2u-sgd",
+        "dp2u-sgd, dp2u-mlm, or the baselines rfs-r, ga, graddiff, kl, idk",
+        OneOf(lambda: DP2U_METHODS),
+    )
+    clients: int = option(
+        2, "data clients (contiguous author shards; the forget authors on the last)", POSITIVE_INT
+    )
+    epsilon: float = option(
+        1.0, "DP-SGD: ε per client for all stage-A rounds; DP-MLM: ε per replaced token", POSITIVE
+    )
+    delta: float = option(1e-5, "DP-SGD: δ", Number(low=0, high=1, low_open=True, high_open=True))
+    clip: float = option(1.0, "DP-SGD: per-example clipping norm C", POSITIVE)
+    dp_rounds: int = option(2, "stage A: rounds (one epoch each)", POSITIVE_INT)
+    dp_lr: float = option(0.05, "stage A: SGD learning rate", POSITIVE)
+    dp_batch_size: int = option(64, "stage A: expected Poisson batch q·N", POSITIVE_INT)
+    finetune_rounds: int = option(3, "E′: rounds of stages B and C", POSITIVE_INT)
+    retrain_rounds: int = option(
+        6, "E: rounds of RFS-R and of the non-DP deployed model", POSITIVE_INT
+    )
+    local_epochs: int = option(4, "local epochs per round of the non-DP stages", POSITIVE_INT)
+    lr: float = option(4e-3, "non-DP federated training: AdamW learning rate", POSITIVE)
+    batch_size: int = option(32, "non-DP federated training: batch size", POSITIVE_INT)
+    public_knowledge: bool = option(
+        True, "every data client also trains on the public knowledge (never forgotten)"
+    )
+    mlm_sensitive_only: bool = option(
+        False, "DP-MLM: rewrite only the generator's marked names and values"
+    )
+    mlm_path: str = option("", 'DP-MLM: a local masked-LM checkpoint; "" = one trained here')
+    forget_request: str = option(
+        "",
+        'a named forget request, JSON {"<client>": {"authors": [...], "records": [...]}} or '
+        'the path of a JSON file; "" = the last scenario.forget-percent % of the authors',
+        Parsed(_check_forget_request, "JSON, a file path, or empty"),
+    )
 
 
 @dataclass(frozen=True)

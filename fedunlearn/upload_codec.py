@@ -42,8 +42,38 @@ from dataclasses import dataclass
 
 import torch
 
+from fedunlearn.options import FRACTION, OneOf, option, option_group
+
 TASK_VECTOR_UPLOADS: tuple[str, ...] = ("dense", "factors")
 FISHER_UPLOADS: tuple[str, ...] = ("dense", "bf16", "topk")
+
+
+@option_group("upload")
+@dataclass(frozen=True)
+class UploadOptions:
+    """What a client uploads and how the server receives it (``[tool.flwr.app.config.upload]``)."""
+
+    task_vector: str = option(
+        "factors",
+        "factors: a LoRA client uploads B, A and s instead of s·B@A (decoded bit for bit); "
+        "dense: float32 s·B@A (full fine-tuning always uploads dense)",
+        OneOf(lambda: TASK_VECTOR_UPLOADS),
+    )
+    fisher: str = option(
+        "topk",
+        "topk: each Fisher tensor's top fisher-fraction entries (ties kept); bf16; or dense "
+        "float32",
+        OneOf(lambda: FISHER_UPLOADS),
+    )
+    fisher_fraction: float = option(
+        0.1, "α' of the topk Fisher upload; at least firm.alpha with FIRM", FRACTION
+    )
+    stream: bool = option(
+        True,
+        "the server writes every validated upload to <output-dir>/uploads-spool/ and merges "
+        "from memory maps one weight at a time; false: uploads stay in memory",
+    )
+
 
 SEP = "::"
 _FACTOR_PARTS = ("lora_B", "lora_A", "scaling")

@@ -65,6 +65,7 @@ from fedunlearn.training.lora import LocalTrainSettings
 from fedunlearn.upload_codec import DecodedTensors
 from strategies.mpu_strategy import MPU_PUBLISH, MpuStrategy
 from strategies.reply_validation import validate_reply_content
+from fedunlearn.models.options import ModelOptions
 from strategies.settings import RunSettings
 from wire.messages import describe_model, rebuild_model, wire_state
 
@@ -74,7 +75,7 @@ TARGET_PERCENT = 10.0
 CLOCKS = ("wall", "cpu")
 SECRET = b"bench-mpu-fixed-secret"
 #: the run defaults of a registry model (LoRA targets, clients, Fisher batches, steps, uploads)
-RUN = RunSettings(model=MODEL).resolved()
+RUN = RunSettings(model=ModelOptions(name=MODEL)).resolved()
 
 
 @dataclass(frozen=True)
@@ -85,19 +86,19 @@ class BenchConfig:
     cache_dir: str = str(REPO_ROOT / ".cache")
     tofu_dir: str = str(REPO_ROOT.parent / "shared" / "data" / "tofu")
     records: int = 20
-    copies: int = RUN.mpu_copies
-    clients: int = RUN.num_forget_clients + RUN.num_retain_clients
+    copies: int = RUN.mpu.copies
+    clients: int = RUN.scenario.num_forget_clients + RUN.scenario.num_retain_clients
     threads: int = 2
-    fisher_batches: int = RUN.fisher_batches
-    steps: int = RUN.retain_steps
+    fisher_batches: int = RUN.training.fisher_batches
+    steps: int = RUN.training.retain_steps
     probe_steps: tuple[int, int] = (2, 4)
     repeats: int = 2
-    lora_rank: int = RUN.lora_rank
-    lora_alpha: float = RUN.lora_alpha
-    lora_targets: str = RUN.lora_targets
-    batch_size: int = RUN.batch_size
-    lr: float = RUN.retain_lr
-    kappa: float = RUN.mpu_kappa
+    lora_rank: int = RUN.lora.rank
+    lora_alpha: float = RUN.lora.alpha
+    lora_targets: str = RUN.lora.targets
+    batch_size: int = RUN.training.batch_size
+    lr: float = RUN.training.retain_lr
+    kappa: float = RUN.mpu.kappa
     publish: tuple[str, ...] = MPU_PUBLISH
 
 
@@ -163,9 +164,9 @@ def client_config(model: Any, tokenizer: Any, cfg: BenchConfig) -> ConfigRecord:
             "lora-targets": cfg.lora_targets,
             "lora-layers": "all",
             "fisher-batches": cfg.fisher_batches,
-            "task-vector-upload": RUN.task_vector_upload,
-            "fisher-upload": RUN.fisher_upload,
-            "fisher-upload-fraction": RUN.fisher_upload_fraction,
+            "task-vector-upload": RUN.upload.task_vector,
+            "fisher-upload": RUN.upload.fisher,
+            "fisher-upload-fraction": RUN.upload.fisher_fraction,
         }
     )
 

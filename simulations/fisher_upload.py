@@ -387,7 +387,7 @@ def real_redraws(flower: FlowerUploads, redraws: int) -> tuple[list[list[ClientU
     ``REPRODUCTION_TOLERANCE`` θ₀ or the shards are not the clients', an error)."""
     if flower.results["config"].get("num-rounds") != 1:
         raise ValueError("Fisher redraws need a one-round run: θ₀ is the weights before it")
-    n_batches, seed = flower.settings.fisher_batches, flower.settings.seed
+    n_batches, seed = flower.settings.training.fisher_batches, flower.settings.seed
     rerun = refit_fishers(flower, lambda _, n: [b % n for b in range(n_batches)])
     reproduction = max_relative_difference(rerun, flower.updates)
     if reproduction > REPRODUCTION_TOLERANCE:
@@ -493,7 +493,7 @@ def real_input(
     result = measure_input(
         flower.updates,
         gamma=flower.settings.gamma,
-        lora_rank=flower.settings.lora_rank,
+        lora_rank=flower.settings.lora.rank,
         evaluate=evaluate if evaluated else None,
         redraws=draws,
     )
@@ -502,7 +502,7 @@ def real_input(
     result["before"] = {k: before.get(k) for k in names}
     result["reference"] = {k: reference.get(k) for k in names}
     result["flower_run"] = str(flower.results_path)
-    result["fisher_batches"] = flower.settings.fisher_batches
+    result["fisher_batches"] = flower.settings.training.fisher_batches
     result["fisher_reproduction_max_rel_diff"] = reproduction
     result["shard_sizes"] = [
         {"role": a["role"], "examples": len(a["indices"])} for a in flower.results["assignments"]

@@ -134,12 +134,13 @@ def _builtin_target(cfg: AttackConfig) -> Target:
     from strategies.run_setup import evaluate_model, load_run_model
 
     settings = run_settings(parse_config_pairs(cfg.run_config))
-    if not settings.cache_dir:
-        settings = dataclasses.replace(settings, cache_dir=cfg.cache_dir)
+    if not settings.model.cache_dir:
+        model = dataclasses.replace(settings.model, cache_dir=cfg.cache_dir)
+        settings = dataclasses.replace(settings, model=model)
     run_model = load_run_model(settings)
     scenario = run_model.scenario
     heldout = scenario.holdout_records()[: cfg.texts]
-    forget = scenario.data.forget_split(settings.forget_percent)[: cfg.forget_texts]
+    forget = scenario.data.forget_split(settings.scenario.forget_percent)[: cfg.forget_texts]
     tokenizer = run_model.tokenizer
 
     reference = (

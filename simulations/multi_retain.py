@@ -49,8 +49,8 @@ def _own_data_utility(
         flower.run_model.tokenizer,
         records,
         kind=kind,
-        batch_size=flower.settings.eval_batch_size,
-        max_new_tokens=flower.settings.eval_max_new_tokens,
+        batch_size=flower.settings.eval.batch_size,
+        max_new_tokens=flower.settings.eval.max_new_tokens,
         n_samples=0,
     )
     return {"rouge_l": out["rouge_l"], "prob": out["prob"], "exact_match": out["exact_match"]}

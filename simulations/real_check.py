@@ -213,10 +213,10 @@ def flower_stage(
     federation = "client-resources-num-gpus=0.5" if cuda else ""  # else Ray hides the GPU
     plan = run_local.plan_run(run_config, federation, output_dir=output_dir)
     data = get_scenario("tofu")(plan.settings.scenario_params()).data
-    percent = plan.settings.forget_percent
+    percent = plan.settings.scenario.forget_percent
     forget, retain = data.forget_split(percent), data.retain_split(percent)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    measured = copy.deepcopy(model).to(resolve_dtype(plan.settings.dtype))
+    measured = copy.deepcopy(model).to(resolve_dtype(plan.settings.model.dtype))
     before = (mean_nll(measured, tokenizer, forget), mean_nll(measured, tokenizer, retain))
 
     results_path = run_local.run(run_config, federation, output_dir=output_dir)

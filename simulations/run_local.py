@@ -25,9 +25,10 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from strategies.settings import RunConfigError
+
 from simulations.app_bundle import stage_app
 from strategies.settings import RunSettings
-from strategies.settings_rules import RunConfigError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -187,9 +188,9 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     from fedunlearn.models.substrate import ensure_substrate
     from fedunlearn.scenarios import get_scenario
 
-    if settings.model_path:
+    if settings.model.path:
         return
-    if settings.model != "builtin":
+    if settings.model.name != "builtin":
         prepare_finetuned(settings, cache_dir)
         return
     print(
@@ -199,7 +200,7 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     )
     folder = ensure_substrate(settings.substrate_config(), cache_dir.resolve())
     info = json.loads((folder / "build_info.json").read_text())
-    scenario = get_scenario(settings.scenario)
+    scenario = get_scenario(settings.scenario.name)
     knows = ", ".join(
         f"{k} {v:.3f}"
         for k, v in info.items()
@@ -216,12 +217,12 @@ def prepare_finetuned(settings: RunSettings, cache_dir: Path) -> None:
     from strategies.run_setup import finetune_recipe
 
     print(
-        f"Preparing {settings.model}: converted once, then fine-tuned on the {settings.scenario} "
+        f"Preparing {settings.model.name}: converted once, then fine-tuned on the {settings.scenario.name} "
         f"data (knowledgeable model and retain-only reference), cached in {cache_dir.resolve()}",
         flush=True,
     )
-    base = pretrained_checkpoint(settings.model, cache_dir.resolve())
-    scenario = get_scenario(settings.scenario)(settings.scenario_params())
+    base = pretrained_checkpoint(settings.model.name, cache_dir.resolve())
+    scenario = get_scenario(settings.scenario.name)(settings.scenario_params())
     folder = ensure_finetuned(base, scenario, finetune_recipe(settings), cache_dir.resolve())
     info = json.loads((folder / FINETUNED_INFO).read_text())
     knows = ", ".join(
@@ -264,7 +265,8 @@ def plan_run(
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
     cache_dir = (cache_dir or default_cache_dir()).resolve()
-    settings = dataclasses.replace(settings, output_dir=str(output_dir), cache_dir=str(cache_dir))
+    model = dataclasses.replace(settings.model, cache_dir=str(cache_dir))
+    settings = dataclasses.replace(settings, output_dir=str(output_dir), model=model)
     folders = [f"output-dir={_quoted(output_dir)}", f"cache-dir={_quoted(cache_dir)}"]
     kept = [f"{key}={value}" for key, value in pairs if key not in FOLDER_KEYS]
     return LocalRun(

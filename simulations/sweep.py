@@ -147,7 +147,7 @@ def run_and_load_uploads(
 
 #: run-config keys in which a whole Flower run may differ from the sweep's run and still be a
 #: point of it (the merge and where outputs go); every other key must be equal
-RUN_POINT_FREE_KEYS = ("strategy", "gamma", "output-dir", "save-uploads", "resume")
+RUN_POINT_FREE_KEYS = ("merge", "gamma", "output-dir", "save-uploads", "resume")
 
 
 def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -> dict:
@@ -166,7 +166,7 @@ def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -
             f"{differing[:5] or ['num-rounds']})"
         )
     return {
-        "strategy": other["strategy"],
+        "strategy": other["merge"],
         "gamma": other["gamma"],
         "norm_final": results["merge"].get("norm_final"),
         "metrics": {k: results["metrics"]["after"].get(k) for k in names},
@@ -196,7 +196,7 @@ def sweep(
     jobs = [(s, g) for s in strategies for g in grids[s]]
     for strategy, gamma in tqdm(jobs, desc="re-merge + evaluate", unit="point"):
         fn = resolve_merge(strategy)
-        params = dataclasses.replace(settings, strategy=strategy, gamma=gamma)
+        params = dataclasses.replace(settings, merge=strategy, gamma=gamma)
         kwargs = merge_kwargs(fn, params.merge_parameters())
         started = time.perf_counter()
         result = fn(updates, **kwargs)

@@ -72,9 +72,9 @@ FORMAT_VERSION = 2
 # (the secret file's path neither: a resume may read the same secret from elsewhere)
 FINGERPRINT_EXCLUDED = (
     "output-dir",
-    "cache-dir",
-    "mpu-secret",
-    "mpu-secret-file",
+    "model.cache-dir",
+    "mpu.secret",
+    "mpu.secret-file",
     "resume",
     "num-rounds",
 )

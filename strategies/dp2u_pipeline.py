@@ -69,10 +69,12 @@ class Dp2uPipeline:
         data = run_model.scenario.data
         public = (
             tuple(range(len(data.author_qa), len(run_model.scenario.records())))
-            if settings.dp2u_public_knowledge
+            if settings.dp2u.public_knowledge
             else ()
         )
-        self.shards = data_shards(data, settings.dp2u_clients, settings.forget_percent, public)
+        self.shards = data_shards(
+            data, settings.dp2u.clients, settings.scenario.forget_percent, public
+        )
         self.request = settings.forget_request()
         self.forget_indices: list[int] = []
         self.splits: dict[str, list[dict]] | None = None
@@ -82,10 +84,12 @@ class Dp2uPipeline:
             # RunSettings allows strategy 'dp2u' on the tofu scenario only
             scenario = cast(TofuScenario, run_model.scenario)
             self.splits = scenario.evaluation_splits(self.forget_indices)
-        cache_root = Path(settings.cache_dir).expanduser() if settings.cache_dir else Path.cwd()
+        cache_root = (
+            Path(settings.model.cache_dir).expanduser() if settings.model.cache_dir else Path.cwd()
+        )
         self.substrate_key = str(
             run_model.info.get("cache_key")
-            or "model-" + hashlib.sha256(settings.model_path.encode()).hexdigest()[:16]
+            or "model-" + hashlib.sha256(settings.model.path.encode()).hexdigest()[:16]
         )
         self.cache = StageCache(cache_root / "dp2u" / self.substrate_key)
         self.stages: dict[str, dict[str, Any]] = {}
@@ -99,7 +103,7 @@ class Dp2uPipeline:
 
     def public_base(self) -> dict[str, torch.Tensor]:
         """θ_public: the substrate's pre-trained stage (public corpus only), or model-path."""
-        if self.settings.model_path:  # copies: the run's model object is reused for evaluation
+        if self.settings.model.path:  # copies: the run's model object is reused for evaluation
             return {
                 k: v.detach().to("cpu", torch.float32, copy=True)
                 for k, v in self.run_model.model.state_dict().items()
@@ -138,10 +142,10 @@ class Dp2uPipeline:
             shards=self.shards,
             client_config={**self.client_config, **config},
             num_rounds=rounds,
-            node_wait_timeout=s.node_wait_timeout,
-            max_upload_mb=s.max_upload_mb,
-            max_update_ratio=s.max_update_ratio,
-            spool=UploadSpool(s.resolved_output_dir() / SPOOL_DIR) if s.stream_uploads else None,
+            node_wait_timeout=s.server.node_wait_timeout,
+            max_upload_mb=s.server.max_upload_mb,
+            max_update_ratio=s.server.max_update_ratio,
+            spool=UploadSpool(s.resolved_output_dir() / SPOOL_DIR) if s.upload.stream else None,
         )
         started = time.perf_counter()
         try:
@@ -149,7 +153,7 @@ class Dp2uPipeline:
                 grid=self.grid,
                 initial_arrays=_arrays(start[1]),
                 num_rounds=rounds,
-                timeout=s.round_timeout,
+                timeout=s.server.round_timeout,
                 train_config=ConfigRecord(),
             )
         finally:
@@ -174,14 +178,14 @@ class Dp2uPipeline:
 
     def public_mlm_path(self) -> str:
         """A masked LM for DP-MLM: ``dp2u-mlm-path`` or one trained on the public corpus."""
-        if self.settings.dp2u_mlm_path:
-            return self.settings.dp2u_mlm_path
+        if self.settings.dp2u.mlm_path:
+            return self.settings.dp2u.mlm_path
         from fedunlearn.dp.mlm import save_masked_lm, train_masked_lm
 
         folder = self.cache.folder / f"public-mlm-seed{self.settings.seed}"
         if not (folder / "config.json").is_file():
             texts = generate_background_corpus(
-                self.settings.seed, self.settings.substrate_background_documents
+                self.settings.seed, self.settings.substrate.background_documents
             )
             model, tokenizer = train_masked_lm(texts, seed=self.settings.seed)
             tmp = folder.with_name(folder.name + ".tmp")
@@ -192,53 +196,53 @@ class Dp2uPipeline:
     def dp_base(self, public: tuple[str, dict[str, torch.Tensor]]):
         s = self.settings
         config: dict[str, Any]
-        if s.dp2u_method == "dp2u-sgd":
+        if s.dp2u.method == "dp2u-sgd":
             config = {
-                "dp-epsilon": s.dp2u_epsilon,
-                "dp-delta": s.dp2u_delta,
-                "dp-clip": s.dp2u_clip,
-                "lr": s.dp2u_dp_lr,
-                "batch-size": s.dp2u_dp_batch_size,
+                "dp-epsilon": s.dp2u.epsilon,
+                "dp-delta": s.dp2u.delta,
+                "dp-clip": s.dp2u.clip,
+                "lr": s.dp2u.dp_lr,
+                "batch-size": s.dp2u.dp_batch_size,
             }
-            return self.stage(STAGE_A_SGD, "dp-base", public, s.dp2u_dp_rounds, config)
+            return self.stage(STAGE_A_SGD, "dp-base", public, s.dp2u.dp_rounds, config)
         config = {
             "mlm-path": self.public_mlm_path(),
-            "mlm-epsilon": s.dp2u_epsilon,
-            "mlm-sensitive-only": s.dp2u_mlm_sensitive_only,
-            "lr": s.dp2u_lr,
-            "batch-size": s.dp2u_batch_size,
-            "local-epochs": s.dp2u_local_epochs,
+            "mlm-epsilon": s.dp2u.epsilon,
+            "mlm-sensitive-only": s.dp2u.mlm_sensitive_only,
+            "lr": s.dp2u.lr,
+            "batch-size": s.dp2u.batch_size,
+            "local-epochs": s.dp2u.local_epochs,
         }
-        return self.stage(STAGE_A_MLM, "mlm-base", public, s.dp2u_dp_rounds, config)
+        return self.stage(STAGE_A_MLM, "mlm-base", public, s.dp2u.dp_rounds, config)
 
     # ---- the request -------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         s = self.settings
         train = {
-            "lr": s.dp2u_lr,
-            "batch-size": s.dp2u_batch_size,
-            "local-epochs": s.dp2u_local_epochs,
+            "lr": s.dp2u.lr,
+            "batch-size": s.dp2u.batch_size,
+            "local-epochs": s.dp2u.local_epochs,
         }
         public = ("public:" + self.substrate_key, self.public_base())
-        rfs = self.stage(RFS_R, "retrain", public, s.dp2u_retrain_rounds, train)
+        rfs = self.stage(RFS_R, "retrain", public, s.dp2u.retrain_rounds, train)
         reference = self._evaluate("RFS-R", rfs, None)
         metrics: dict[str, Any] = {"reference": reference}
-        if s.dp2u_method == "rfs-r":
-            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
+        if s.dp2u.method == "rfs-r":
+            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u.retrain_rounds, train)
             metrics["before"] = self._evaluate("deployed", deployed, (rfs[0], reference))
             metrics["after"] = self._evaluate("RFS-R", rfs, (rfs[0], reference))
             unlearn_name = RFS_R
-        elif s.dp2u_method in DP_METHODS:
+        elif s.dp2u.method in DP_METHODS:
             base = self.dp_base(public)
-            deployed = self.stage(STAGE_B, "deploy", base, s.dp2u_finetune_rounds, train)
-            unlearned = self.stage(STAGE_C, "unlearn", base, s.dp2u_finetune_rounds, train)
+            deployed = self.stage(STAGE_B, "deploy", base, s.dp2u.finetune_rounds, train)
+            unlearned = self.stage(STAGE_C, "unlearn", base, s.dp2u.finetune_rounds, train)
             metrics["base"] = self._evaluate("BM_DP", base, (rfs[0], reference))
             metrics["before"] = self._evaluate("FM", deployed, (rfs[0], reference))
             metrics["after"] = self._evaluate("UM", unlearned, (rfs[0], reference))
             unlearn_name = STAGE_C
         else:
-            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u_retrain_rounds, train)
+            deployed = self.stage("deployed (E)", "deploy", public, s.dp2u.retrain_rounds, train)
             metrics["before"] = self._evaluate("deployed", deployed, (rfs[0], reference))
             state, info = self._approximate_unlearning(deployed[1])
             self.stages["unlearning round"] = info
@@ -249,7 +253,7 @@ class Dp2uPipeline:
         return {
             "metrics": metrics,
             "dp2u": {
-                "method": s.dp2u_method,
+                "method": s.dp2u.method,
                 "privacy": self._privacy(),
                 "stages": {k: _stage_summary(v) for k, v in self.stages.items()},
                 "cost_vs_rfs_r": {
@@ -287,7 +291,9 @@ class Dp2uPipeline:
                 "forget",
                 TOFU_FORGET_DOMAIN,
                 sh.forget,
-                tuple(rng.sample(sh.retained, min(s.local_retain_samples, len(sh.retained)))),
+                tuple(
+                    rng.sample(sh.retained, min(s.scenario.local_retain_samples, len(sh.retained)))
+                ),
             )
             for sh in self.shards
             if sh.forget
@@ -295,20 +301,20 @@ class Dp2uPipeline:
         strategy = MergeStrategy(
             merge="sum",
             assignments=assignments,
-            client_config={**self.client_config, "objective": s.dp2u_method},
-            role_config={"forget": {"steps": s.forget_steps, "lr": s.forget_lr}},
-            node_wait_timeout=s.node_wait_timeout,
+            client_config={**self.client_config, "objective": s.dp2u.method},
+            role_config={"forget": {"steps": s.training.forget_steps, "lr": s.training.forget_lr}},
+            node_wait_timeout=s.server.node_wait_timeout,
         )
         started = time.perf_counter()
         result = strategy.start(
             grid=self.grid,
             initial_arrays=_arrays(deployed),
             num_rounds=1,
-            timeout=s.round_timeout,
+            timeout=s.server.round_timeout,
             train_config=ConfigRecord(),
         )
         info = {
-            "stage": f"unlearn ({s.dp2u_method}, LoRA, {s.forget_steps} steps)",
+            "stage": f"unlearn ({s.dp2u.method}, LoRA, {s.training.forget_steps} steps)",
             "rounds": None,  # not epochs: forget-steps LoRA steps on the forget records
             "seconds": time.perf_counter() - started,
             "client_seconds": sum(float(c.get("seconds", 0.0)) for c in strategy.client_reports),
@@ -327,9 +333,9 @@ class Dp2uPipeline:
         stage's weights per evaluation setting and reference (stage key "" = not cached)."""
         s = self.settings
         eval_key = StageCache.key(
-            forget_percent=s.forget_percent,
-            retain=s.eval_retain_samples,
-            tokens=s.eval_max_new_tokens,
+            forget_percent=s.scenario.forget_percent,
+            retain=s.eval.retain_samples,
+            tokens=s.eval.max_new_tokens,
             reference=reference[0] if reference else None,
             # only a named request adds a field: percent-split keys stay those of earlier runs
             **({"forget": self.forget_indices} if self.request else {}),
@@ -364,14 +370,14 @@ class Dp2uPipeline:
 
     def _privacy(self) -> dict[str, Any]:
         s = self.settings
-        if s.dp2u_method == "dp2u-sgd":
+        if s.dp2u.method == "dp2u-sgd":
             stage = self.stages[STAGE_A_SGD]
             last = stage["round_reports"][-1]["clients"]
             return {
                 "mechanism": "DP-SGD (Opacus, RDP accountant, Poisson sampling)",
-                "epsilon_target": s.dp2u_epsilon,
-                "delta": s.dp2u_delta,
-                "clip": s.dp2u_clip,
+                "epsilon_target": s.dp2u.epsilon,
+                "delta": s.dp2u.delta,
+                "clip": s.dp2u.clip,
                 "epsilon_spent_per_client": [c.get("epsilon_spent") for c in last],
                 "epsilon_per_round": [
                     [c.get("epsilon_spent") for c in r["clients"]] for r in stage["round_reports"]
@@ -380,13 +386,13 @@ class Dp2uPipeline:
                 "noise_multiplier": [c.get("noise_multiplier") for c in last],
                 "unit": "one QA record (an author with k records: group privacy, kε)",
             }
-        if s.dp2u_method == "dp2u-mlm":
+        if s.dp2u.method == "dp2u-mlm":
             stage = self.stages[STAGE_A_MLM]
             last = stage["round_reports"][-1]["clients"]
             return {
                 "mechanism": "DP-MLM rewriting (exponential mechanism, clipped MLM logits)",
-                "epsilon_per_token": s.dp2u_epsilon,
-                "sensitive_only": s.dp2u_mlm_sensitive_only,
+                "epsilon_per_token": s.dp2u.epsilon,
+                "sensitive_only": s.dp2u.mlm_sensitive_only,
                 "epsilon_per_record_max": [c.get("mlm_epsilon_max") for c in last],
                 "tokens_replaced": [c.get("mlm_tokens_replaced") for c in last],
             }

@@ -71,7 +71,7 @@ def evaluation_key(
     """The cache key of evaluating ``model`` under ``settings`` (see the module docstring)."""
     payload = {
         "weights": weights_fingerprint(model),
-        "scenario": settings.scenario,
+        "scenario": settings.scenario.name,
         "scenario_params": dataclasses.asdict(settings.scenario_params()),
         "evaluation": {key: getattr(settings, key) for key in EVALUATION_KEYS},
         "mmlu": str(mmlu_folder) if mmlu_folder else None,

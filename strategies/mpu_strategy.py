@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from logging import WARNING
 from typing import Any, cast
 
@@ -49,6 +50,7 @@ from fedunlearn.mpu import (
     plan_reparam,
     sigma_per_tensor,
 )
+from fedunlearn.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, OneOf, option, option_group
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
@@ -57,6 +59,51 @@ from wire.messages import decoded_arrays
 MPU_MODES = ("mpu", "clean", "noised")
 #: ``mpu-publish``: fresh copies for every client, or one set of copies for the whole round.
 MPU_PUBLISH = ("per-client", "per-round")
+MPU_SIGMA_SOURCES = ("weights", "task-vector")
+
+
+@option_group("mpu")
+@dataclass(frozen=True)
+class MpuOptions:
+    """MPU around the merge (``wrapper = "mpu"``; ``[tool.flwr.app.config.mpu]``)."""
+
+    mode: str = option(
+        "mpu",
+        "mpu (m reparameterised copies), clean or noised (one copy)",
+        OneOf(lambda: MPU_MODES),
+    )
+    copies: int = option(2, "copies m per client and round (mpu mode: >= 2)", POSITIVE_INT)
+    publish: str = option(
+        "per-client",
+        "per-client: noise and reparameterisation drawn afresh for every client; per-round: "
+        "one set of m copies per round, sent to every client",
+        OneOf(lambda: MPU_PUBLISH),
+    )
+    kappa: float = option(0.01, "noise scale κ (σ = κ·RMS of the layer)", NON_NEGATIVE)
+    permute_groups: bool = option(True, "also permute the KV groups")
+    shared_kappa: float = option(
+        0.0,
+        "κ_η of a noise common to a client's m copies, which aligning the copies cannot "
+        "average away; 0 = none (with a warning)",
+        NON_NEGATIVE,
+    )
+    secret: str = option("", "refused: a secret in the run config leaks (use secret-file)")
+    secret_file: str = option(
+        "",
+        'absolute path of a 0600 file holding the server secret; "" = $FEDUNLEARN_MPU_SECRET '
+        "or a fresh secret",
+    )
+    server_lr: float = option(1.0, "server learning rate η_srv", POSITIVE)
+    sigma_source: str = option(
+        "weights",
+        "σ from the RMS of the weights, or (task-vector) of θ − θ_pretrained",
+        OneOf(lambda: MPU_SIGMA_SOURCES),
+    )
+    pretrained_path: str = option(
+        "", 'θ_pretrained for sigma-source = task-vector; "" = the built-in model\'s pre-training'
+    )
+
+
 TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
 #: in results.json and the log whenever ``mpu-mode=mpu`` runs without shared noise
 ALIGNMENT_WARNING = (

@@ -62,7 +62,7 @@ def write_report(results: Mapping[str, Any], names: Sequence[str], path: Path) -
 def render_report(results: Mapping[str, Any], names: Sequence[str]) -> str:
     """The page as one HTML string (no external resources)."""
     config = results.get("config", {})
-    title = f"fedunlearn run: {config.get('scenario', '?')} / {config.get('strategy', '?')}"
+    title = f"fedunlearn run: {config.get('scenario.name', '?')} / {_strategy(config)}"
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{_e(title)}</h1>",
@@ -76,10 +76,29 @@ def render_report(results: Mapping[str, Any], names: Sequence[str]) -> str:
     return "\n".join(parts)
 
 
+def _strategy(config: Mapping[str, Any]) -> str:
+    """``dp2u``, ``mpu + <merge>`` or the merge, from a results.json ``config``."""
+    if config.get("pipeline") == "dp2u":
+        return "dp2u"
+    merge = str(config.get("merge", "?"))
+    return f"mpu + {merge}" if config.get("wrapper") == "mpu" else merge
+
+
 # ------------------------------------------------------------------------------------ sections
 def _run_section(results: Mapping[str, Any]) -> str:
     config = results.get("config", {})
-    keys = ("scenario", "strategy", "model", "num-rounds", "gamma", "alpha", "epsilon", "seed")
+    keys = (
+        "scenario.name",
+        "pipeline",
+        "merge",
+        "wrapper",
+        "model.name",
+        "num-rounds",
+        "gamma",
+        "firm.alpha",
+        "firm.epsilon",
+        "seed",
+    )
     rows = [(k, config[k]) for k in keys if k in config]
     seconds = results.get("seconds") or {}
     rows += [(f"seconds: {k}", v) for k, v in seconds.items() if k != "server_peak_rss_bytes"]

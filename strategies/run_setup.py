@@ -69,27 +69,27 @@ def general_questions(settings: RunSettings) -> list[dict[str, Any]]:
     records = load_mmlu_csv(folder, split="test")
     return mmlu_subset(
         records,
-        subjects=settings.mmlu_subjects,
-        per_subject=settings.mmlu_per_subject,
+        subjects=settings.eval.mmlu_subjects,
+        per_subject=settings.eval.mmlu_per_subject,
         seed=settings.seed,
     )
 
 
 def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
-    scenario = get_scenario(settings.scenario)(settings.scenario_params())
-    cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
-    dtype = resolve_dtype(settings.dtype)
-    if settings.model_path:
-        path = Path(settings.model_path).expanduser()
+    scenario = get_scenario(settings.scenario.name)(settings.scenario_params())
+    cache_dir = Path(settings.model.cache_dir).expanduser() if settings.model.cache_dir else None
+    dtype = resolve_dtype(settings.model.dtype)
+    if settings.model.path:
+        path = Path(settings.model.path).expanduser()
         if path.suffix == ".gguf":
             path = ensure_converted(path, cache_dir or default_cache_dir())
         model, tokenizer = load_local_causal_lm(path, dtype=dtype)
         if torch.cuda.is_available():
             # PreTrainedModel.to is @wraps(nn.Module.to): typed as unbound (self = argument 1)
             model.to("cuda")  # type: ignore[arg-type]
-        info = {"model_path": settings.model_path, "dtype": str(dtype).removeprefix("torch.")}
+        info = {"model_path": settings.model.path, "dtype": str(dtype).removeprefix("torch.")}
         return RunModel(model, tokenizer, scenario, None, info)
-    if settings.model != "builtin":
+    if settings.model.name != "builtin":
         return _finetuned_run_model(settings, scenario, cache_dir or default_cache_dir(), dtype)
     substrate = load_substrate(settings.substrate_config(), cache_dir, show_progress=show_progress)
     return RunModel(
@@ -104,9 +104,9 @@ def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
 def finetune_recipe(settings: RunSettings) -> FinetuneRecipe:
     """How a registry model is fine-tuned on the scenario's data (``model-finetune-*``)."""
     return FinetuneRecipe(
-        epochs=settings.model_finetune_epochs,
-        lr=settings.model_finetune_lr,
-        batch_size=settings.batch_size,
+        epochs=settings.model.finetune_epochs,
+        lr=settings.model.finetune_lr,
+        batch_size=settings.training.batch_size,
         seed=settings.seed,
     )
 
@@ -116,7 +116,7 @@ def _finetuned_run_model(
 ) -> RunModel:
     """Registry model ``model`` (converted once), fine-tuned on the scenario's data into the
     knowledgeable model and the retain-only reference (cached: ``fedunlearn.models.finetuned``)."""
-    base = pretrained_checkpoint(settings.model, cache_dir)
+    base = pretrained_checkpoint(settings.model.name, cache_dir)
     folder = ensure_finetuned(base, scenario, finetune_recipe(settings), cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(folder / "tokenizer", local_files_only=True)
     model, _ = load_local_causal_lm(folder / "knowledgeable", dtype=dtype, tokenizer=tokenizer)
@@ -126,15 +126,15 @@ def _finetuned_run_model(
         model.to("cuda")  # type: ignore[arg-type]
         reference.to("cuda")  # type: ignore[arg-type]
     info = json.loads((folder / FINETUNED_INFO).read_text())
-    info.update({"folder": str(folder), "pretrained": str(base), "model": settings.model})
+    info.update({"folder": str(folder), "pretrained": str(base), "model": settings.model.name})
     return RunModel(model, tokenizer, scenario, reference, info)
 
 
 def pretrained_state(settings: RunSettings, run_model: RunModel) -> dict[str, torch.Tensor]:
     """θ_pretrained for MPU's task-vector σ (``mpu-sigma-source='task-vector'``):
     ``mpu-pretrained-path`` or, for the built-in model, the substrate's pre-trained stage."""
-    if settings.mpu_pretrained_path:
-        path = Path(settings.mpu_pretrained_path).expanduser()
+    if settings.mpu.pretrained_path:
+        path = Path(settings.mpu.pretrained_path).expanduser()
     elif "folder" in run_model.info:
         path = Path(run_model.info["folder"]) / "pretrained"
     else:
@@ -170,8 +170,8 @@ def evaluate_model(
         model,
         run_model.tokenizer,
         reference_metrics=reference_metrics,
-        batch_size=settings.eval_batch_size,
-        max_new_tokens=settings.eval_max_new_tokens,
+        batch_size=settings.eval.batch_size,
+        max_new_tokens=settings.eval.max_new_tokens,
         n_samples=3,
         **kwargs,
     )
@@ -180,7 +180,7 @@ def evaluate_model(
             model,
             run_model.tokenizer,
             run_model.general_questions,
-            batch_size=settings.eval_batch_size,
+            batch_size=settings.eval.batch_size,
             disable_tqdm=True,
         )
         metrics["mmlu_accuracy"] = mmlu["accuracy"]
@@ -193,22 +193,22 @@ def client_settings(settings: RunSettings) -> dict[str, Any]:
     """What every client needs besides the model: scenario parameters (to rebuild its own
     data shard locally), training and LoRA settings, objective options."""
     return {
-        "scenario": settings.scenario,
+        "scenario": settings.scenario.name,
         "scenario-params-json": json.dumps(dataclasses.asdict(settings.scenario_params())),
-        "objective": settings.objective,
+        "objective": settings.objective.name,
         "objective-options-json": json.dumps(settings.objective_options()),
-        "batch-size": settings.batch_size,
-        "lora-rank": settings.lora_rank,
-        "lora-alpha": settings.lora_alpha,
-        "lora-targets": settings.lora_targets,
-        "lora-layers": settings.lora_layers,
-        "finetune": settings.finetune,
-        "load-in-4bit": settings.load_in_4bit,
-        "dtype": settings.dtype,
-        "fisher-batches": settings.fisher_batches,
-        "task-vector-upload": settings.task_vector_upload,
-        "fisher-upload": settings.fisher_upload,
-        "fisher-upload-fraction": settings.fisher_upload_fraction,
+        "batch-size": settings.training.batch_size,
+        "lora-rank": settings.lora.rank,
+        "lora-alpha": settings.lora.alpha,
+        "lora-targets": settings.lora.targets,
+        "lora-layers": settings.lora.layers,
+        "finetune": settings.training.finetune,
+        "load-in-4bit": settings.model.load_in_4bit,
+        "dtype": settings.model.dtype,
+        "fisher-batches": settings.training.fisher_batches,
+        "task-vector-upload": settings.upload.task_vector,
+        "fisher-upload": settings.upload.fisher,
+        "fisher-upload-fraction": settings.upload.fisher_fraction,
         "seed": settings.seed,
-        "client-threads": settings.client_threads,
+        "client-threads": settings.training.client_threads,
     }

@@ -44,7 +44,7 @@ def one_run_per_output_dir(context: Context) -> Iterator[None]:
     output_dir = settings.resolved_output_dir()
     context.run_config["output-dir"] = str(output_dir)  # main uses the same (timestamped) one
     with exclusive_folder(output_dir, "output-dir"):
-        if settings.strategy != "dp2u":  # dp2u resumes per cached stage, not from here
+        if settings.pipeline != "dp2u":  # dp2u resumes per cached stage, not from here
             checkpoint = RunCheckpoint(output_dir / CHECKPOINT_DIR, "")
             if settings.resume:
                 checkpoint.verified_state()
@@ -70,13 +70,12 @@ def main(grid: Grid, context: Context) -> None:
         run_model = load_run_model(settings)
     config = run_model.model.config
     settings = settings.for_model(int(config.num_hidden_layers))
-    if settings.strategy == "mpu" and settings.mpu_mode == "mpu":
+    if settings.wrapper == "mpu" and settings.mpu.mode == "mpu":
         # an architecture the reparameterisation would break is refused before any evaluation
-        plan_reparam(config, permute_groups=settings.mpu_permute_groups)
+        plan_reparam(config, permute_groups=settings.mpu.permute_groups)
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
-    pipeline = "dp2u" if settings.strategy == "dp2u" else "unlearn"
-    results, metrics = PIPELINES[pipeline](
+    results, metrics = PIPELINES[settings.pipeline](
         grid, settings, run_model, output_dir, phases, run_started
     )
     _write_results(output_dir, results, metrics, run_model.scenario)

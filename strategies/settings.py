@@ -1,4 +1,6 @@
-"""The flat run config (``[tool.flwr.app.config]``) parsed into typed settings."""
+"""The run configuration (``[tool.flwr.app.config]`` and its option-group tables) parsed into
+typed settings: :class:`RunSettings`, a few run-wide keys plus one frozen options dataclass
+per component (defined next to that component, see :mod:`fedunlearn.options`)."""
 
 from __future__ import annotations
 
@@ -6,21 +8,49 @@ import dataclasses
 import math
 import re
 import time
-from dataclasses import dataclass, fields
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from fedunlearn.benchmarks.wmdp import HAZARD_DOMAINS
-from fedunlearn.dp2u import ForgetRequest, parse_forget_request
+from fedunlearn.dp2u import Dp2uOptions, ForgetRequest, parse_forget_request
+from fedunlearn.evaluation.options import EvalOptions
+from fedunlearn.merging.firm import FirmOptions
+from fedunlearn.merging.fulm import FulmOptions
+from fedunlearn.merging.ties import TiesOptions
+from fedunlearn.models.options import ModelOptions, SubstrateOptions
 from fedunlearn.models.substrate import SubstrateConfig
 from fedunlearn.objectives import objective_requirements
+from fedunlearn.objectives.options import ObjectiveOptions
+from fedunlearn.options import (
+    COUNT,
+    POSITIVE,
+    POSITIVE_INT,
+    OneOf,
+    Parsed,
+    check_options,
+    check_value,
+    close_matches,
+    field_default,
+    key_name,
+    option,
+    typed_value,
+)
 from fedunlearn.scenarios import SCENARIOS, ScenarioParams
+from fedunlearn.scenarios.options import ScenarioOptions
 from fedunlearn.training.lora import parse_layers
+from fedunlearn.training.options import LoraOptions, TrainingOptions
+from fedunlearn.upload_codec import UploadOptions
 from strategies.merge_plugins import check_merge_call, resolve_merge
+from strategies.mpu_strategy import MpuOptions
+from strategies.renamed_keys import RENAMED_KEYS, RunConfigError
 from strategies.secret_files import check_secret_keys
-from strategies.settings_rules import RunConfigError, check_value, close_matches, key_name
+from strategies.server_options import ServerOptions
+
+__all__ = ["PRETRAINED_DEFAULTS", "RunConfigError", "RunSettings"]
 
 #: defaults for a registry model (``model``) where a key is left on its default (a
 #: ``model-path`` checkpoint keeps the scenario's defaults: its size is unknown here),
@@ -30,450 +60,393 @@ from strategies.settings_rules import RunConfigError, check_value, close_matches
 #: subset's two retain authors, fewer Fisher batches and retain steps, the chat answers'
 #: length for generation, and a lower learning rate than the tiny model's
 PRETRAINED_DEFAULTS: dict[str, Any] = {
-    "lora_targets": "q_proj,v_proj",
-    "num_forget_clients": 2,
-    "retain_samples": 40,
-    "fisher_batches": 4,
-    "retain_steps": 10,
-    "eval_max_new_tokens": 64,
-    "eval_batch_size": 16,
-    "eval_retain_samples": 20,
-    "forget_lr": 2e-4,
-    "retain_lr": 2e-4,
+    "lora.targets": "q_proj,v_proj",
+    "scenario.num-forget-clients": 2,
+    "scenario.retain-samples": 40,
+    "training.fisher-batches": 4,
+    "training.retain-steps": 10,
+    "eval.max-new-tokens": 64,
+    "eval.batch-size": 16,
+    "eval.retain-samples": 20,
+    "training.forget-lr": 2e-4,
+    "training.retain-lr": 2e-4,
 }
+
+
+#: The pipelines a run can follow (``pipeline``): unlearning by a merge, or DP2Unlearning.
+PIPELINE_NAMES = ("unlearn", "dp2u")
+#: What may wrap the merge (``wrapper``).
+WRAPPERS = ("none", "mpu")
+
+
+def _check_merge(name: str) -> None:
+    """A merge function: registered, ``module:function`` or an entry point (imported now)."""
+    if name in ("mpu", "dp2u"):
+        raise ValueError(
+            f"{name!r} is not a merge: set wrapper = 'mpu' or pipeline = 'dp2u' and name the "
+            "merge here (firm, ties, ...)"
+        )
+    resolve_merge(name)
 
 
 @dataclass(frozen=True)
 class RunSettings:
-    """Every run-config key, with its default. Keys are the field names with ``-``."""
+    """The run configuration: a few run-wide keys and one options group per component.
 
-    scenario: str = "tofu"
-    strategy: str = "firm"
-    seed: int = 0
-    num_rounds: int = 1
-    # benchmark / scenario
-    num_authors: int = 200
-    qa_per_author: int = 10
-    forget_percent: float = 1.0
-    forget_domains: str = "bio,cyber"
-    num_forget_clients: int = 0  # 0 = the scenario's default
-    num_retain_clients: int = 1
-    retain_samples: int = 200
-    local_retain_samples: int = 32
-    num_forget_domains: int = 1
-    retain_layout: str = "random"
-    data_path: str = ""
-    # model
-    model: str = "builtin"  # builtin | smollm2-135m (a registry model, fine-tuned on the data)
-    model_path: str = ""
-    dtype: str = "auto"
-    load_in_4bit: bool = False
-    cache_dir: str = ""
-    # a node's local copy of the initial checkpoint (simulated nodes; a SuperNode's node config
-    # wins): it is sent only the weights that differ from it (wire.delivery)
-    base_checkpoint: str = ""
-    # built-in substrate (ignored with model-path)
-    substrate_hidden_size: int = 192
-    substrate_layers: int = 4
-    substrate_intermediate_size: int = 512
-    substrate_pretrain_epochs: int = 2
-    substrate_finetune_epochs: int = 16
-    substrate_finetune_lr: float = 2e-3
-    substrate_background_documents: int = 1500
-    # a pretrained model (model != builtin): its fine-tuning on the scenario's data
-    tofu_subset_authors: int = 0  # real TOFU files: authors in play; 0 = all on CUDA, 4 on CPU
-    muse_subset_texts: int = 0  # real MUSE files: items of each list; 0 = all on CUDA, 16 on CPU
-    model_finetune_epochs: int = 6
-    model_finetune_lr: float = 1e-4
-    # local training
-    objective: str = "auto"
-    forget_steps: int = 0  # 0 = the scenario's default
-    forget_lr: float = 0.0  # 0 = the scenario's default
-    retain_steps: int = 40
-    retain_lr: float = 1e-3
-    batch_size: int = 8
-    lora_rank: int = 16
-    lora_alpha: float = 32.0
-    lora_targets: str = "auto"
-    lora_layers: str = "auto"
-    finetune: str = "lora"  # lora | full (train the targeted weights themselves)
-    fisher_batches: int = 20
-    # what a client uploads (fedunlearn.upload_codec)
-    task_vector_upload: str = "factors"  # factors (LoRA's B, A, s) | dense
-    fisher_upload: str = "topk"  # topk | bf16 | dense
-    fisher_upload_fraction: float = 0.1  # α' of topk; >= alpha for FIRM (default = alpha)
-    stream_uploads: bool = True  # uploads to disk as read, merged from memory maps
-    # objective options (SPEC §6); each objective reads its own
-    graddiff_alpha: float = 1.0
-    npo_beta: float = 0.1
-    simnpo_beta: float = 4.5
-    simnpo_delta: float = 0.0
-    dpo_beta: float = 0.1
-    undial_beta: float = 10.0
-    satimp_beta1: float = 5.0
-    satimp_beta2: float = 1.0
-    kl_alpha: float = 1.0
-    rmu_layer: int = -1  # -1 = the scenario's default
-    rmu_steering: float = -1.0  # -1 = the scenario's default
-    rmu_alpha: float = -1.0  # -1 = the scenario's default
-    client_threads: int = 1
-    # merge (FIRM)
-    gamma: float = 0.0  # 0 = the scenario's default
-    alpha: float = 0.1
-    eps0: float = 1e-8
-    epsilon: float = math.inf
-    solver: str = "exact"
-    # MPU (strategy=mpu): perturbed, reparameterised copies around the merge mpu-merge
-    mpu_merge: str = "firm"
-    mpu_mode: str = "mpu"
-    mpu_copies: int = 2
-    mpu_publish: str = "per-client"  # per-client | per-round (one set of copies per round)
-    mpu_kappa: float = 0.01
-    mpu_permute_groups: bool = True
-    mpu_shared_kappa: float = 0.0  # noise common to a client's copies (κ_η·RMS); 0 = none
-    mpu_secret: str = ""  # refused: a secret in the run config leaks (secret_files)
-    mpu_secret_file: str = ""  # a 0600 file holding the server secret; "" = env or fresh
-    mpu_server_lr: float = 1.0
-    mpu_sigma_source: str = "weights"  # weights | task-vector (θ − θ_pretrained)
-    mpu_pretrained_path: str = ""  # θ_pretrained for task-vector; "" = the substrate's
-    # DP2Unlearning (strategy=dp2u): DP base, deployed fine-tune, retain-only unlearning
-    dp2u_method: str = "dp2u-sgd"  # dp2u-sgd | dp2u-mlm | rfs-r | ga | graddiff | kl | idk
-    dp2u_clients: int = 2
-    dp2u_epsilon: float = 1.0  # DP-SGD: per client, all stage-A rounds; DP-MLM: per token
-    dp2u_delta: float = 1e-5
-    dp2u_clip: float = 1.0
-    dp2u_dp_rounds: int = 2
-    dp2u_dp_lr: float = 0.05
-    dp2u_dp_batch_size: int = 64
-    dp2u_finetune_rounds: int = 3  # E′ (stages B and C)
-    dp2u_retrain_rounds: int = 6  # E (RFS-R and the non-DP deployed model)
-    dp2u_local_epochs: int = 4  # local epochs per round of the non-DP stages
-    dp2u_lr: float = 4e-3
-    dp2u_batch_size: int = 32
-    dp2u_public_knowledge: bool = True  # every client also trains on the public knowledge
-    dp2u_mlm_sensitive_only: bool = False
-    dp2u_mlm_path: str = ""  # a local masked-LM checkpoint; "" = built from the public corpus
-    # named forget request: JSON {"<client>": {"authors": [...], "records": [...]}} or the
-    # path of a JSON file holding one; "" = the last forget-percent % of the authors
-    dp2u_forget_request: str = ""
-    # baselines
-    ties_k: float = 0.2
-    fulm_threshold: float = 0.6
-    fulm_k: float = 0.3
-    # evaluation and output
-    eval_retain_samples: int = 200
-    # general utility of a real model (model or model-path): zero-shot MMLU on a seeded subset
-    mmlu_path: str = ""  # folder of MMLU CSVs; "" = the "mmlu" folder beside data-path, if any
-    mmlu_subjects: int = 10
-    mmlu_per_subject: int = 5  # 0 = no MMLU
-    eval_max_new_tokens: int = 32
-    eval_batch_size: int = 64
-    output_dir: str = ""
-    save_uploads: bool = False
-    evaluate: bool = True  # false: no benchmark evaluation before / after (no metrics)
-    resume: bool = True  # continue from <output-dir>/checkpoint (same config); false = afresh
-    round_timeout: float = 3600.0
-    node_wait_timeout: float = 120.0
-    # bad clients (issue 7): reply validation, dropouts, robust options before the merge
-    min_replies: int = 0  # 0 = one valid forget update per assigned forget domain
-    max_upload_mb: float = 0.0  # 0 = the largest honest reply (float64 task vector + Fisher)
-    robust_norm_bound: float = 0.0  # clip task vectors to this × role median norm; 0 = off
-    fisher_cap: float = 0.0  # cap Fisher mass per tensor at this × role median; 0 = off
-    # sanity bounds against poisoned uploads (issue 13; fedunlearn.merging.sanity)
-    client_norm_ratio: float = 100.0  # exclude task vectors above this × role median; 0 = off
-    max_update_ratio: float = 100.0  # fail a round whose update exceeds this × ‖θ‖; 0 = off
+    Keys are the field names with ``-``; a group's keys are ``<group>.<key>``
+    (``firm.alpha``), as Flower flattens the tables ``[tool.flwr.app.config.<group>]``.
+    """
+
+    seed: int = option(
+        0, "seeds data generation, model building, client training and sampling", COUNT
+    )
+    num_rounds: int = option(1, "federated rounds (FIRM is single-round)", POSITIVE_INT)
+    pipeline: str = option(
+        "unlearn",
+        "unlearn: clients train and upload, the server merges; dp2u: DP2Unlearning's "
+        "federated stages (see the dp2u group)",
+        OneOf(lambda: PIPELINE_NAMES),
+    )
+    merge: str = option(
+        "firm",
+        "the server merge: firm, fulm, fulm-mean, ties, sum, avg, a module:function plug-in "
+        "or an entry point",
+        Parsed(_check_merge, "a registered merge, module:function or an entry point"),
+    )
+    wrapper: str = option(
+        "none",
+        "none, or mpu: perturbed, reparameterised copies around the merge",
+        OneOf(lambda: WRAPPERS),
+    )
+    gamma: float = option(
+        0.0, "global scale γ of the merged update; 0 = the scenario's (8 / 4 / 3)", POSITIVE
+    )
+    evaluate: bool = option(
+        True,
+        "evaluate the model before and after (and the reference); false: no metrics, for "
+        "runs checked otherwise",
+    )
+    resume: bool = option(
+        True,
+        "continue a killed run from <output-dir>/checkpoint (same config only); false = "
+        "remove that checkpoint's own files and start afresh",
+    )
+    output_dir: str = option(
+        "", 'absolute output folder; "" = outputs/<scenario>-<strategy>-<time> under the cwd'
+    )
+    save_uploads: bool = option(
+        False, "also save every client's task vector and Fisher (safetensors)"
+    )
+    scenario: ScenarioOptions = field(default_factory=ScenarioOptions)
+    model: ModelOptions = field(default_factory=ModelOptions)
+    substrate: SubstrateOptions = field(default_factory=SubstrateOptions)
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    upload: UploadOptions = field(default_factory=UploadOptions)
+    objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
+    firm: FirmOptions = field(default_factory=FirmOptions)
+    ties: TiesOptions = field(default_factory=TiesOptions)
+    fulm: FulmOptions = field(default_factory=FulmOptions)
+    mpu: MpuOptions = field(default_factory=MpuOptions)
+    dp2u: Dp2uOptions = field(default_factory=Dp2uOptions)
+    eval: EvalOptions = field(default_factory=EvalOptions)
+    server: ServerOptions = field(default_factory=ServerOptions)
 
     @classmethod
-    def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
-        """Parse Flower's run config and check every key (:meth:`validate`) before any work;
-        unknown keys, wrong types and bad values raise :class:`RunConfigError`."""
-        known = {key_name(f.name): f for f in fields(cls)}
-        values: dict[str, Any] = {}
+    def from_run_config(cls, run_config: Mapping[str, Any]) -> RunSettings:
+        """Parse Flower's (flattened, dotted) run config and check every key (:meth:`validate`)
+        before any work; unknown or renamed keys, wrong types and bad values raise
+        :class:`RunConfigError`."""
+        top: dict[str, Any] = {}
+        groups: dict[str, dict[str, Any]] = {}
         for key, raw in run_config.items():
-            if key not in known:
-                listing = close_matches(key, known) or f"; the keys are: {', '.join(sorted(known))}"
-                raise RunConfigError(f"unknown run-config key {key!r}{listing}")
-            field = known[key]
-            values[field.name] = _typed_value(key, raw, type(field.default))
-        settings = cls(**values).resolved()
+            group, name, f = _field_of(key)
+            value = typed_value(key, raw, type(field_default(f)))
+            if group is None:
+                top[f.name] = value
+            else:
+                groups.setdefault(group, {})[f.name] = value
+        built = {g: GROUP_TYPES[g](**values) for g, values in groups.items()}
+        settings = cls(**top, **built).resolved()
         settings.validate()
         return settings
 
     def resolved(self) -> RunSettings:
         """A copy where every key left on its "scenario default" value ("auto", 0, -1) takes
-        the scenario's default (``Scenario.defaults``); explicit values are kept."""
-        check_value("scenario", self.scenario, str)
-        unset = {f.name: f.default for f in fields(self)}
-        defaults = dict(SCENARIOS[self.scenario].defaults)
-        registry_model = self.model != "builtin"
+        the scenario's default (``Scenario.defaults``, dotted keys); explicit values are
+        kept."""
+        name_field = next(f for f in fields(self.scenario) if f.name == "name")
+        check_value("scenario.name", self.scenario.name, name_field)
+        defaults = dict(SCENARIOS[self.scenario.name].defaults)
+        registry_model = self.model.name != "builtin"
         if registry_model:
             defaults.update(PRETRAINED_DEFAULTS)
-        changes = {
-            name: value for name, value in defaults.items() if getattr(self, name) == unset[name]
-        }
-        if self.tofu_subset_authors == 0 and self.data_path and registry_model:
-            changes["tofu_subset_authors"] = 200 if torch.cuda.is_available() else 4
-        if (
-            self.scenario == "muse"
-            and self.muse_subset_texts == 0
-            and self.data_path
-            and registry_model
-        ):
-            # the published lists hold 100 items each (fedunlearn.benchmarks.muse_files)
-            changes["muse_subset_texts"] = 100 if torch.cuda.is_available() else 16
-        return dataclasses.replace(self, **changes)
+        scenario = self.scenario
+        if scenario.tofu_subset_authors == 0 and scenario.data_path and registry_model:
+            defaults["scenario.tofu-subset-authors"] = 200 if torch.cuda.is_available() else 4
+        if scenario.name == "muse" and scenario.muse_subset_texts == 0 and scenario.data_path:
+            if registry_model:  # the published lists hold 100 items each (muse_files)
+                defaults["scenario.muse-subset-texts"] = 100 if torch.cuda.is_available() else 16
+        resolved = self
+        for key, value in defaults.items():
+            resolved = _with_default(resolved, key, value)
+        return resolved
 
     def validate(self) -> None:
-        """Every key against its rule (:data:`strategies.settings_rules.RULES`: names, types,
-        ranges, finiteness; merges and plug-ins resolved), then the combinations of keys.
-        Raises :class:`RunConfigError`, a ``ValueError``."""
+        """Every key against its rule (names, types, ranges, finiteness; merges and plug-ins
+        resolved), then the combinations of keys. Raises :class:`RunConfigError`."""
         for f in fields(self):
-            check_value(f.name, getattr(self, f.name), type(f.default))
+            value = getattr(self, f.name)
+            if f.name in GROUP_TYPES:
+                check_options(f.name + ".", value)
+            else:
+                check_value(key_name(f.name), value, f)
         self._validate_model_and_data()
         self._validate_objective()
         self._validate_merge()
         self._validate_clients()
-        check_secret_keys(self.mpu_secret, self.mpu_secret_file)
-        if self.strategy == "dp2u":
+        check_secret_keys(self.mpu.secret, self.mpu.secret_file)
+        if self.pipeline == "dp2u":
             self._validate_dp2u()
-            if not self.evaluate:
-                raise RunConfigError(
-                    "evaluate=false does not apply to strategy='dp2u': its stages are compared "
-                    "by their evaluations"
-                )
-        elif self.dp2u_forget_request:
+        elif self.dp2u.forget_request:
             raise RunConfigError(
-                "dp2u-forget-request needs strategy='dp2u' (the other strategies forget the "
+                "dp2u.forget-request needs pipeline='dp2u' (an unlearning run forgets the "
                 "scenario's forget-percent split)"
             )
 
     def _validate_model_and_data(self) -> None:
         """``data-path`` with a real model, 4-bit with LoRA, WMDP's ``forget-domains``."""
-        if self.data_path and not self.model_path and self.model == "builtin":
+        model, scenario = self.model, self.scenario
+        if scenario.data_path and not model.path and model.name == "builtin":
             raise RunConfigError(
-                "data-path (real benchmark files) needs a real model: model='smollm2-135m' "
-                "(fine-tuned on the files) or model-path; the built-in substrate is trained on "
-                "the generated data and its reference would not match the files"
+                "scenario.data-path (real benchmark files) needs a real model: "
+                "model.name='smollm2-135m' (fine-tuned on the files) or model.path; the "
+                "built-in substrate is trained on the generated data and its reference would "
+                "not match the files"
             )
-        if self.model_path and self.model != "builtin":
+        if model.path and model.name != "builtin":
             raise RunConfigError(
-                f"set either model ({self.model!r}) or model-path ({self.model_path!r}), not both"
+                f"set either model.name ({model.name!r}) or model.path ({model.path!r}), not both"
             )
-        if self.finetune == "full" and self.load_in_4bit:
-            raise RunConfigError("finetune='full' cannot train 4-bit weights; use LoRA with 4-bit")
-        unknown = [d for d in self._forget_domain_list() if d not in HAZARD_DOMAINS]
-        if self.scenario == "wmdp" and (unknown or not self._forget_domain_list()):
+        if self.training.finetune == "full" and model.load_in_4bit:
             raise RunConfigError(
-                f"run-config key 'forget-domains' = {self.forget_domains!r}: must name hazard "
-                f"domains ({', '.join(HAZARD_DOMAINS)}); unknown: {unknown}"
+                "training.finetune='full' cannot train 4-bit weights; use LoRA with 4-bit"
+            )
+        domains = scenario.forget_domain_list()
+        unknown = [d for d in domains if d not in HAZARD_DOMAINS]
+        if scenario.name == "wmdp" and (unknown or not domains):
+            raise RunConfigError(
+                f"run-config key 'scenario.forget-domains' = {scenario.forget_domains!r}: must "
+                f"name hazard domains ({', '.join(HAZARD_DOMAINS)}); unknown: {unknown}"
             )
 
     def _validate_objective(self) -> None:
         """The forget objective fits the scenario's data and the clients' retain samples."""
-        requirements = objective_requirements(self.objective)
-        if self.objective == "nll":
+        name = self.objective.name
+        requirements = objective_requirements(name)
+        if name == "nll":
             raise RunConfigError(
-                "objective 'nll' trains ON the forget data; pick a forget objective"
+                "objective.name 'nll' trains ON the forget data; pick a forget objective"
             )
-        if requirements.needs_alternate and not SCENARIOS[self.scenario].qa_forget_data:
+        if requirements.needs_alternate and not SCENARIOS[self.scenario.name].qa_forget_data:
             raise RunConfigError(
-                f"objective {self.objective!r} prefers a refusal answer to the forget answer, "
-                f"but the {self.scenario} scenario's forget clients hold plain text"
+                f"objective {name!r} prefers a refusal answer to the forget answer, but the "
+                f"{self.scenario.name} scenario's forget clients hold plain text"
             )
-        if requirements.needs_retain and self.local_retain_samples < 1:
+        if requirements.needs_retain and self.scenario.local_retain_samples < 1:
             raise RunConfigError(
-                f"objective {self.objective!r} needs retain data on the forget clients: set "
-                "local-retain-samples >= 1"
+                f"objective {name!r} needs retain data on the forget clients: set "
+                "scenario.local-retain-samples >= 1"
             )
 
     def _validate_merge(self) -> None:
         """MPU's copies and σ reference; the merge callable with this run's parameters."""
-        if self.strategy == "mpu" and self.mpu_mode == "mpu" and self.mpu_copies < 2:
+        mpu = self.mpu
+        if self.wrapper == "mpu" and mpu.mode == "mpu" and mpu.copies < 2:
             raise RunConfigError(
-                f"run-config key 'mpu-copies' = {self.mpu_copies}: mpu-mode='mpu' needs >= 2 "
+                f"run-config key 'mpu.copies' = {mpu.copies}: mpu.mode='mpu' needs >= 2 "
                 "(zero-sum noise over the copies)"
             )
         if (
-            self.strategy == "mpu"
-            and self.mpu_sigma_source == "task-vector"
-            and self.model_path
-            and not self.mpu_pretrained_path
+            self.wrapper == "mpu"
+            and mpu.sigma_source == "task-vector"
+            and self.model.path
+            and not mpu.pretrained_path
         ):
             raise RunConfigError(
-                "mpu-sigma-source='task-vector' with model-path needs mpu-pretrained-path "
+                "mpu.sigma-source='task-vector' with model.path needs mpu.pretrained-path "
                 "(the checkpoint the model was fine-tuned from)"
             )
-        if self.strategy == "dp2u":
+        if self.pipeline == "dp2u":
+            if self.wrapper != "none":
+                raise RunConfigError("wrapper = 'mpu' does not apply to pipeline = 'dp2u'")
             return
         self._validate_fisher_upload()
-        key, merge = (
-            ("mpu-merge", self.mpu_merge) if self.strategy == "mpu" else ("strategy", self.strategy)
-        )
         try:
-            check_merge_call(resolve_merge(merge), self.merge_parameters())
+            check_merge_call(resolve_merge(self.merge), self.merge_parameters())
         except ValueError as err:
-            raise RunConfigError(f"run-config key {key!r} = {merge!r}: {err}") from err
+            raise RunConfigError(f"run-config key 'merge' = {self.merge!r}: {err}") from err
 
     def _validate_fisher_upload(self) -> None:
         """A top-k Fisher upload keeps at least FIRM's own top-``alpha`` of every tensor."""
-        firm = "firm" in (self.strategy, self.mpu_merge if self.strategy == "mpu" else "")
-        if firm and self.fisher_upload == "topk" and self.fisher_upload_fraction < self.alpha:
+        upload, alpha = self.upload, self.firm.alpha
+        if self.merge == "firm" and upload.fisher == "topk" and upload.fisher_fraction < alpha:
             raise RunConfigError(
-                f"run-config key 'fisher-upload-fraction' = {self.fisher_upload_fraction:g} is "
-                f"below alpha = {self.alpha:g}: FIRM keeps each client's top-alpha Fisher "
+                f"run-config key 'upload.fisher-fraction' = {upload.fisher_fraction:g} is "
+                f"below firm.alpha = {alpha:g}: FIRM keeps each client's top-alpha Fisher "
                 "entries, so a top-k upload must keep at least that many"
             )
 
     def _validate_clients(self) -> None:
         """``min-replies`` within the run's clients; a WMDP forget client per forget domain."""
-        if self.min_replies > self.num_clients:
+        if self.server.min_replies > self.num_clients:
             raise RunConfigError(
-                f"run-config key 'min-replies' = {self.min_replies}: must be in "
+                f"run-config key 'server.min-replies' = {self.server.min_replies}: must be in "
                 f"[0, {self.num_clients}] (the run's clients)"
             )
-        domains = self._forget_domain_list()
-        if self.scenario == "wmdp" and self.num_forget_clients < len(domains):
+        scenario = self.scenario
+        domains = scenario.forget_domain_list()
+        if scenario.name == "wmdp" and scenario.num_forget_clients < len(domains):
             raise RunConfigError(
-                f"run-config key 'num-forget-clients' = {self.num_forget_clients}: fewer than "
-                f"the {len(domains)} forget domains {self.forget_domains!r}"
+                f"run-config key 'scenario.num-forget-clients' = {scenario.num_forget_clients}: "
+                f"fewer than the {len(domains)} forget domains {scenario.forget_domains!r}"
             )
-
-    def _forget_domain_list(self) -> list[str]:
-        return [d.strip() for d in self.forget_domains.split(",") if d.strip()]
 
     def substrate_config(self) -> SubstrateConfig:
         """The built-in substrate this run uses (its hash names the cache folder)."""
+        sc, sub = self.scenario, self.substrate
         return SubstrateConfig(
-            scenario=self.scenario,
-            forget_domains=self.forget_domains,
+            scenario=sc.name,
+            forget_domains=sc.forget_domains,
             seed=self.seed,
-            num_authors=self.num_authors,
-            qa_per_author=self.qa_per_author,
-            forget_percent=self.forget_percent,
-            hidden_size=self.substrate_hidden_size,
-            num_hidden_layers=self.substrate_layers,
-            intermediate_size=self.substrate_intermediate_size,
-            pretrain_epochs=self.substrate_pretrain_epochs,
-            finetune_epochs=self.substrate_finetune_epochs,
-            finetune_lr=self.substrate_finetune_lr,
-            background_documents=self.substrate_background_documents,
+            num_authors=sc.num_authors,
+            qa_per_author=sc.qa_per_author,
+            forget_percent=sc.forget_percent,
+            hidden_size=sub.hidden_size,
+            num_hidden_layers=sub.layers,
+            intermediate_size=sub.intermediate_size,
+            pretrain_epochs=sub.pretrain_epochs,
+            finetune_epochs=sub.finetune_epochs,
+            finetune_lr=sub.finetune_lr,
+            background_documents=sub.background_documents,
         )
 
     def scenario_params(self) -> ScenarioParams:
         """The scenario's data and client-layout parameters."""
+        sc = self.scenario
+        needs_retain = objective_requirements(self.objective.name).needs_retain
         return ScenarioParams(
             seed=self.seed,
-            data_path=self.data_path,
-            num_authors=self.num_authors,
-            qa_per_author=self.qa_per_author,
-            subset_authors=self.tofu_subset_authors,
-            subset_texts=self.muse_subset_texts,
-            forget_percent=self.forget_percent,
-            num_forget_domains=self.num_forget_domains,
-            retain_layout=self.retain_layout,
-            forget_domains=self.forget_domains,
-            num_forget_clients=self.num_forget_clients,
-            num_retain_clients=self.num_retain_clients,
-            retain_samples=self.retain_samples,
-            local_retain_samples=(
-                self.local_retain_samples
-                if objective_requirements(self.objective).needs_retain
-                else 0
-            ),
-            eval_retain_samples=self.eval_retain_samples,
+            data_path=sc.data_path,
+            num_authors=sc.num_authors,
+            qa_per_author=sc.qa_per_author,
+            subset_authors=sc.tofu_subset_authors,
+            subset_texts=sc.muse_subset_texts,
+            forget_percent=sc.forget_percent,
+            num_forget_domains=sc.num_forget_domains,
+            retain_layout=sc.retain_layout,
+            forget_domains=sc.forget_domains,
+            num_forget_clients=sc.num_forget_clients,
+            num_retain_clients=sc.num_retain_clients,
+            retain_samples=sc.retain_samples,
+            local_retain_samples=sc.local_retain_samples if needs_retain else 0,
+            eval_retain_samples=self.eval.retain_samples,
         )
 
     def objective_options(self) -> dict[str, float]:
         """The objective options (``npo_beta``, ``rmu_layer``, ...) as floats for the client."""
-        names = (
-            "graddiff_alpha npo_beta simnpo_beta simnpo_delta dpo_beta undial_beta "
-            "satimp_beta1 satimp_beta2 kl_alpha rmu_layer rmu_steering rmu_alpha"
-        ).split()
-        options = {name: float(getattr(self, name)) for name in names}
-        # left on "scenario default" and the scenario has none: the objective's own default
-        for name, unset in (("rmu_layer", -1.0), ("rmu_steering", -1.0), ("rmu_alpha", -1.0)):
-            if options[name] == unset:
-                del options[name]
-        options["rmu_seed"] = float(self.seed)
-        return options
+        return self.objective.client_options(self.seed)
 
     def lora_layer_indices(self) -> tuple[int, ...] | None:
-        """``lora-layers`` as layer indices; None = every layer."""
-        return parse_layers(self.lora_layers)
+        """``lora.layers`` as layer indices; None = every layer."""
+        return parse_layers(self.lora.layers)
 
     def for_model(self, num_hidden_layers: int) -> RunSettings:
         """Settings completed for a model with ``num_hidden_layers`` decoder layers: an unset
-        ``rmu-layer`` becomes the middle layer L = n // 2 and ``lora-layers=auto`` the
-        scenario's choice for that depth (WMDP: L−1 and L; others: all layers). Raises when
-        a layer index lies outside the model."""
-        scenario = SCENARIOS[self.scenario]
-        layer = self.rmu_layer if self.rmu_layer >= 0 else num_hidden_layers // 2
-        lora_layers = self.lora_layers
+        ``objective.rmu-layer`` becomes the middle layer L = n // 2 and ``lora.layers=auto``
+        the scenario's choice for that depth (WMDP: L−1 and L; others: all layers). Raises
+        when a layer index lies outside the model."""
+        scenario = SCENARIOS[self.scenario.name]
+        rmu = self.objective.rmu_layer
+        layer = rmu if rmu >= 0 else num_hidden_layers // 2
+        lora_layers = self.lora.layers
         if lora_layers == "auto":
             lora_layers = scenario.default_lora_layers(num_hidden_layers, layer)
-        resolved = dataclasses.replace(self, rmu_layer=layer, lora_layers=lora_layers)
+        resolved = dataclasses.replace(
+            self,
+            objective=dataclasses.replace(self.objective, rmu_layer=layer),
+            lora=dataclasses.replace(self.lora, layers=lora_layers),
+        )
         bad = [i for i in resolved.lora_layer_indices() or () if not 0 <= i < num_hidden_layers]
         if bad or not 0 <= layer < num_hidden_layers:
             raise ValueError(
-                f"the model has layers 0..{num_hidden_layers - 1}, but lora-layers="
-                f"{lora_layers!r} / rmu-layer={layer} point outside them"
+                f"the model has layers 0..{num_hidden_layers - 1}, but lora.layers="
+                f"{lora_layers!r} / objective.rmu-layer={layer} point outside them"
             )
         return resolved
 
     def merge_parameters(self) -> dict[str, Any]:
-        """Candidate merge keyword arguments; each merge takes those it names."""
-        params: dict[str, Any] = {
-            "gamma": self.gamma,
-            "alpha": self.alpha,
-            "eps0": self.eps0,
-            "epsilon": self.epsilon,
-            "solver": self.solver,
-        }
-        merge = self.mpu_merge if self.strategy == "mpu" else self.strategy
-        if merge == "ties":
-            params["k"] = self.ties_k
-        elif merge in ("fulm", "fulm-mean"):
-            params.update(k=self.fulm_k, threshold=self.fulm_threshold)
+        """Candidate merge keyword arguments; each merge takes those it names: ``gamma`` and
+        FIRM's options for every merge, and the ties / fulm group for those merges."""
+        params: dict[str, Any] = {"gamma": self.gamma, **dataclasses.asdict(self.firm)}
+        if self.merge == "ties":
+            params.update(dataclasses.asdict(self.ties))
+        elif self.merge in ("fulm", "fulm-mean"):
+            params.update(dataclasses.asdict(self.fulm))
         return params
 
     def _validate_dp2u(self) -> None:
         """DP2U runs on TOFU; the forget request parses (its names and indices are checked
         against the data in the pipeline)."""
-        if self.scenario != "tofu":
+        if self.scenario.name != "tofu":
             raise RunConfigError(
-                f"strategy 'dp2u' runs on the tofu scenario, not {self.scenario!r}"
+                f"pipeline 'dp2u' runs on the tofu scenario, not {self.scenario.name!r}"
+            )
+        if not self.evaluate:
+            raise RunConfigError(
+                "evaluate=false does not apply to pipeline='dp2u': its stages are compared by "
+                "their evaluations"
             )
         try:
             self.forget_request()
         except ValueError as err:
-            raise RunConfigError(f"run-config key 'dp2u-forget-request': {err}") from err
+            raise RunConfigError(f"run-config key 'dp2u.forget-request': {err}") from err
 
     def forget_request(self) -> list[ForgetRequest]:
-        """The parsed ``dp2u-forget-request`` (inline JSON or a JSON file); [] when unset."""
-        text = self.dp2u_forget_request.strip()
+        """The parsed ``dp2u.forget-request`` (inline JSON or a JSON file); [] when unset."""
+        text = self.dp2u.forget_request.strip()
         if not text:
             return []
         if not text.startswith("{"):
             path = Path(text).expanduser()
             if not path.is_file():
-                raise ValueError(f"dp2u-forget-request: {text!r} is neither JSON nor a file")
+                raise ValueError(f"dp2u.forget-request: {text!r} is neither JSON nor a file")
             text = path.read_text()
         return parse_forget_request(text)
 
     @property
     def num_clients(self) -> int:
-        if self.strategy == "dp2u":
-            return self.dp2u_clients
-        return self.num_forget_clients + self.num_retain_clients
+        if self.pipeline == "dp2u":
+            return self.dp2u.clients
+        return self.scenario.num_forget_clients + self.scenario.num_retain_clients
+
+    @property
+    def strategy_label(self) -> str:
+        """What the server runs, in one word: ``dp2u``, ``mpu`` or the merge's name."""
+        if self.pipeline == "dp2u":
+            return "dp2u"
+        return "mpu" if self.wrapper == "mpu" else self.merge
 
     def mmlu_folder(self) -> Path | None:
         """Where MMLU is read for a real model's general utility, or None (no MMLU): the
         built-in model is never scored on it (it knows no English beyond its benchmark)."""
-        if self.mmlu_per_subject == 0 or (self.model == "builtin" and not self.model_path):
+        ev, model = self.eval, self.model
+        if ev.mmlu_per_subject == 0 or (model.name == "builtin" and not model.path):
             return None
-        if self.mmlu_path:
-            return Path(self.mmlu_path).expanduser()
-        beside = Path(self.data_path).expanduser().parent / "mmlu" if self.data_path else None
+        if ev.mmlu_path:
+            return Path(ev.mmlu_path).expanduser()
+        data_path = self.scenario.data_path
+        beside = Path(data_path).expanduser().parent / "mmlu" if data_path else None
         return beside if beside is not None and beside.is_dir() else None
 
     def resolved_output_dir(self) -> Path:
@@ -489,23 +462,79 @@ class RunSettings:
         return (Path.cwd() / "outputs" / self.output_name(time.strftime("%Y%m%d-%H%M%S"))).resolve()
 
     def output_name(self, stamp: str) -> str:
-        """``<scenario>-<strategy>-<stamp>``, the strategy made safe for a folder name."""
-        strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.strategy)
-        return f"{self.scenario}-{strategy}-{stamp}"
+        """``<scenario>-<strategy>-<stamp>``, the strategy label made safe for a folder name."""
+        strategy = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.strategy_label)
+        return f"{self.scenario.name}-{strategy}-{stamp}"
 
     def as_dict(self) -> dict[str, Any]:
-        out = dataclasses.asdict(self)
-        if out["mpu_secret"]:
-            out["mpu_secret"] = ""  # the server secret is never written to results
-        return {k.replace("_", "-"): (str(v) if v == math.inf else v) for k, v in out.items()}
+        """The flat run config with dotted keys (what Flower's run config holds), secrets
+        blanked; ``from_run_config(as_dict())`` gives these settings back."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in GROUP_TYPES:
+                for g in fields(value):
+                    out[f"{f.name}.{key_name(g.name)}"] = getattr(value, g.name)
+            else:
+                out[key_name(f.name)] = value
+        if out["mpu.secret"]:
+            out["mpu.secret"] = ""  # the server secret is never written to results
+        return {k: (str(v) if v == math.inf else v) for k, v in out.items()}
 
 
-def _typed_value(key: str, raw: Any, kind: type) -> Any:
-    """``raw`` as a ``kind`` value: ints widen to float, "inf" is infinity for a float key."""
-    if kind is float and isinstance(raw, str) and raw.strip().lower() in ("inf", "infinity"):
-        return math.inf
-    if kind is float and isinstance(raw, int | float) and not isinstance(raw, bool):
-        return float(raw)
-    if isinstance(raw, kind) and not (kind is int and isinstance(raw, bool)):
-        return raw
-    raise RunConfigError(f"run-config key {key!r} must be {kind.__name__}, got {raw!r}")
+#: The option groups of :class:`RunSettings`, by group name.
+GROUP_TYPES: dict[str, type] = {
+    f.name: f.default_factory  # type: ignore[misc]
+    for f in fields(RunSettings)
+    if f.default_factory is not dataclasses.MISSING
+}
+_TOP_FIELDS = {key_name(f.name): f for f in fields(RunSettings) if f.name not in GROUP_TYPES}
+
+
+def _field_of(key: str) -> tuple[str | None, str, dataclasses.Field]:
+    """``(group or None, field name, field)`` of a run-config key; a renamed or unknown key
+    raises :class:`RunConfigError` naming the key to use."""
+    if key in RENAMED_KEYS:
+        raise RunConfigError(f"run-config key {key!r} was renamed: use {RENAMED_KEYS[key]!r}")
+    if key == "strategy":
+        raise RunConfigError(
+            "run-config key 'strategy' was split: use merge = '<firm | fulm | ties | ...>', "
+            "wrapper = 'mpu' for MPU around that merge, pipeline = 'dp2u' for DP2Unlearning"
+        )
+    group, dot, name = key.partition(".")
+    if not dot:
+        if key in _TOP_FIELDS:
+            return None, key, _TOP_FIELDS[key]
+        known = [*_TOP_FIELDS, *(f"{g}.<key>" for g in GROUP_TYPES)]
+        raise RunConfigError(f"unknown run-config key {key!r}{_suggestion(key, known)}")
+    if group not in GROUP_TYPES:
+        raise RunConfigError(
+            f"unknown run-config group {group!r} in {key!r}{_suggestion(group, GROUP_TYPES)}"
+        )
+    by_key = {key_name(f.name): f for f in fields(GROUP_TYPES[group])}
+    if name not in by_key:
+        full = [f"{group}.{k}" for k in by_key]
+        listing = close_matches(key, full) or f"; its keys are: {', '.join(full)}"
+        raise RunConfigError(f"unknown run-config key {key!r}{listing}")
+    return group, name, by_key[name]
+
+
+def _suggestion(key: str, known: Collection[str]) -> str:
+    return close_matches(key, known) or f"; the keys are: {', '.join(known)}"
+
+
+def _with_default(settings: RunSettings, key: str, value: Any) -> RunSettings:
+    """``settings`` with the dotted ``key`` set to ``value`` if it is on its unset default."""
+    group, dot, name = key.partition(".")
+    if not dot:  # a run-wide key
+        attr = key.replace("-", "_")
+        unset = next(f.default for f in fields(settings) if f.name == attr)
+        if getattr(settings, attr) != unset:
+            return settings
+        return dataclasses.replace(settings, **{attr: value})
+    options = getattr(settings, group)
+    attr = name.replace("-", "_")
+    unset = next(f.default for f in fields(options) if f.name == attr)
+    if getattr(options, attr) != unset:
+        return settings
+    return dataclasses.replace(settings, **{group: dataclasses.replace(options, **{attr: value})})

@@ -119,14 +119,14 @@ def federate(
             # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
             grid=(
                 cast(Grid, StreamingGrid(grid, strategy.receive_reply))
-                if settings.stream_uploads
+                if settings.upload.stream
                 else grid
             ),
             initial_arrays=(
                 ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
             ),
             num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
-            timeout=settings.round_timeout,
+            timeout=settings.server.round_timeout,
             train_config=ConfigRecord(),
         )
         final_state = result.arrays.to_torch_state_dict()
@@ -175,42 +175,42 @@ def build_strategy(
         "assignments": assignments,
         "client_config": client_config,
         "role_config": {
-            "forget": {"steps": settings.forget_steps, "lr": settings.forget_lr},
-            "retain": {"steps": settings.retain_steps, "lr": settings.retain_lr},
+            "forget": {"steps": settings.training.forget_steps, "lr": settings.training.forget_lr},
+            "retain": {"steps": settings.training.retain_steps, "lr": settings.training.retain_lr},
         },
-        "node_wait_timeout": settings.node_wait_timeout,
-        "min_replies": settings.min_replies,
-        "max_upload_mb": settings.max_upload_mb,
-        "robust_norm_bound": settings.robust_norm_bound,
-        "fisher_cap": settings.fisher_cap,
-        "client_norm_ratio": settings.client_norm_ratio,
-        "max_update_ratio": settings.max_update_ratio,
+        "node_wait_timeout": settings.server.node_wait_timeout,
+        "min_replies": settings.server.min_replies,
+        "max_upload_mb": settings.server.max_upload_mb,
+        "robust_norm_bound": settings.server.robust_norm_bound,
+        "fisher_cap": settings.server.fisher_cap,
+        "client_norm_ratio": settings.server.client_norm_ratio,
+        "max_update_ratio": settings.server.max_update_ratio,
         "checkpoint": checkpoint,
         "round_offset": done,
-        "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.stream_uploads else None,
+        "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.upload.stream else None,
     }
-    if settings.strategy == "mpu":
+    if settings.wrapper == "mpu":
         strategy: MergeStrategy = MpuStrategy(
-            merge=settings.mpu_merge,
+            merge=settings.merge,
             model_config=model.config,
             # the file's secret or $FEDUNLEARN_MPU_SECRET; a fresh one is kept for a resume
-            secret=checkpoint.mpu_secret(given_secret(settings.mpu_secret_file)),
-            mode=settings.mpu_mode,
-            copies=settings.mpu_copies,
-            publish=settings.mpu_publish,
-            kappa=settings.mpu_kappa,
-            permute_groups=settings.mpu_permute_groups,
-            shared_kappa=settings.mpu_shared_kappa,
-            server_lr=settings.mpu_server_lr,
+            secret=checkpoint.mpu_secret(given_secret(settings.mpu.secret_file)),
+            mode=settings.mpu.mode,
+            copies=settings.mpu.copies,
+            publish=settings.mpu.publish,
+            kappa=settings.mpu.kappa,
+            permute_groups=settings.mpu.permute_groups,
+            shared_kappa=settings.mpu.shared_kappa,
+            server_lr=settings.mpu.server_lr,
             sigma_reference=(
                 pretrained_state(settings, run_model)
-                if settings.mpu_sigma_source == "task-vector"
+                if settings.mpu.sigma_source == "task-vector"
                 else None
             ),
             **common,
         )
     else:
-        strategy = MergeStrategy(merge=settings.strategy, **common)
+        strategy = MergeStrategy(merge=settings.merge, **common)
     return strategy
 
 
@@ -227,9 +227,9 @@ def baseline_evaluation(
     def evaluate() -> dict[str, Any]:
         return evaluate_model(name, model, run_model, settings, reference_metrics)
 
-    if settings.model == "builtin" and not settings.model_path:
+    if settings.model.name == "builtin" and not settings.model.path:
         return evaluate()
-    cache_dir = Path(settings.cache_dir).expanduser() if settings.cache_dir else None
+    cache_dir = Path(settings.model.cache_dir).expanduser() if settings.model.cache_dir else None
     key = evaluation_key(model, settings, reference_metrics, settings.mmlu_folder())
     return cached_evaluation(cache_dir or default_cache_dir(), key, name, evaluate)
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..options import FRACTION, POSITIVE, Number, OneOf, option, option_group
 from ._chunks import below, map_spans
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .kernels import (
@@ -33,7 +34,7 @@ from .kernels import (
     sq64,
     use_compiled,
 )
-from .projection import DEFAULT_SOLVER, _project_checked, check_solver
+from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
     SMALL,
     StreamedKthLargest,
@@ -43,6 +44,27 @@ from .selection import (
     magnitude_histogram,
     sample_positions,
 )
+
+
+@option_group("firm")
+@dataclass(frozen=True)
+class FirmOptions:
+    """FIRM's merge and projection (``[tool.flwr.app.config.firm]``; SPEC §2.3–2.4)."""
+
+    alpha: float = option(0.1, "kept Fisher fraction α per tensor (top-α sparsity)", FRACTION)
+    eps0: float = option(1e-8, "stabiliser ε₀ of the normalisation and the averages", POSITIVE)
+    epsilon: float = option(
+        math.inf,
+        "retention budget ε of the projection per retain client and tensor; inf = FIRM-base",
+        Number(low=0, low_open=True, inf_ok=True),
+    )
+    solver: str = option(
+        "exact",
+        "projection solver for several retain clients: exact (Newton steps on the dual with a "
+        "KKT certificate) or increase-only (the paper's routine)",
+        OneOf(lambda: SOLVERS),
+    )
+
 
 # Solver summary and KKT certificate copied from project_retention's report, per tensor.
 _PROJECTION_KEYS: tuple[str, ...] = (

@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from ..options import FRACTION, Number, option, option_group
 from ._chunks import map_spans
 from ._common import as_real, check_gamma, check_k, compute_dtype, node_ids
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
@@ -35,6 +36,19 @@ from .ties import ties_combine_kernel, trim_lowers
 DEFAULT_THRESHOLD = 0.6
 #: Default TIES support fraction inside a cluster.
 DEFAULT_K = 0.3
+
+
+@option_group("fulm")
+@dataclass(frozen=True)
+class FulmOptions:
+    """FULM and FULM-mean (``[tool.flwr.app.config.fulm]``)."""
+
+    threshold: float = option(
+        DEFAULT_THRESHOLD, "cosine similarity above which clients share a cluster", Number(-1, 1)
+    )
+    k: float = option(DEFAULT_K, "kept fraction of the intra-cluster TIES", FRACTION)
+
+
 #: Entries per block when accumulating the Gram matrix (n·block float64s, cache-sized).
 _SIM_CHUNK = 1 << 16
 #: Decimal places of the similarity matrix in the report.

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
+from ..options import FRACTION, option, option_group
 from ._chunks import below
 from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
@@ -37,6 +39,14 @@ from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
 #: Default TIES support fraction (top 20 % of every task vector).
 DEFAULT_K = 0.2
+
+
+@option_group("ties")
+@dataclass(frozen=True)
+class TiesOptions:
+    """TIES (``[tool.flwr.app.config.ties]``)."""
+
+    k: float = option(DEFAULT_K, "kept fraction of each task vector (trim to the top-k)", FRACTION)
 
 
 def trim_lowers(

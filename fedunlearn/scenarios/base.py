@@ -76,7 +76,8 @@ class Scenario(ABC):
     """A benchmark in a federated unlearning setup (see the module docstring)."""
 
     name: ClassVar[str]
-    #: run-config values this scenario uses where the run config leaves them on "auto"
+    #: run-config values (dotted keys) this scenario uses where the run config leaves them on
+    #: "auto" (or 0 / -1)
     defaults: ClassVar[dict[str, Any]] = {}
     #: metrics of the before/after table, in order
     summary_metrics: ClassVar[tuple[str, ...]]

@@ -54,16 +54,16 @@ class MuseScenario(Scenario):
     retrained reference) should go, the retain knowledge (KnowMem retain, the utility) stay."""
 
     defaults = {
-        "objective": "ga",
-        "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "num_forget_clients": 3,
-        "forget_steps": 12,
-        "forget_lr": 1e-3,
+        "objective.name": "ga",
+        "lora.targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "scenario.num-forget-clients": 3,
+        "training.forget-steps": 12,
+        "training.forget-lr": 1e-3,
         "gamma": 3.0,
         # a pretrained model memorises the subset's texts verbatim (SmolLM2-135M: VerbMem
         # 0.99 after 10 epochs at 5e-4, 0.19 after 8 at TOFU's 1e-4)
-        "model_finetune_epochs": 8,
-        "model_finetune_lr": 5e-4,
+        "model.finetune-epochs": 8,
+        "model.finetune-lr": 5e-4,
     }
     summary_metrics = (
         "knowmem_forget",

@@ -177,11 +177,11 @@ class TofuScenario(Scenario):
     metrics of SPEC §5.1 (forget quality against the retain-only reference, model utility)."""
 
     defaults = {
-        "objective": "ga",
-        "lora_targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
-        "num_forget_clients": 5,
-        "forget_steps": 12,
-        "forget_lr": 1e-3,
+        "objective.name": "ga",
+        "lora.targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
+        "scenario.num-forget-clients": 5,
+        "training.forget-steps": 12,
+        "training.forget-lr": 1e-3,
         "gamma": 8.0,
     }
     summary_metrics = (

@@ -61,13 +61,13 @@ class WmdpScenario(Scenario):
     """
 
     defaults = {
-        "objective": "rmu",
-        "lora_targets": "down_proj",
-        "rmu_steering": 100.0,
-        "rmu_alpha": 100.0,
-        "num_forget_clients": 6,
-        "forget_steps": 30,
-        "forget_lr": 5e-3,
+        "objective.name": "rmu",
+        "lora.targets": "down_proj",
+        "objective.rmu-steering": 100.0,
+        "objective.rmu-alpha": 100.0,
+        "scenario.num-forget-clients": 6,
+        "training.forget-steps": 30,
+        "training.forget-lr": 5e-3,
         "gamma": 4.0,
     }
     summary_metrics = (

@@ -519,13 +519,13 @@ class LocalDeployment:
 def default_node_specs(run_config: str) -> list[NodeSpec]:
     """One SuperNode per client of the scenario: forget nodes, then retain nodes."""
     settings = run_settings(parse_config_pairs(run_config) if run_config else {})
-    if settings.strategy == "dp2u":  # roles do not apply: data clients by partition
+    if settings.pipeline == "dp2u":  # roles do not apply: data clients by partition
         return [NodeSpec(f"node-{i}", f"partition-id={i}") for i in range(settings.num_clients)]
     specs = []
-    for i in range(settings.num_forget_clients):
+    for i in range(settings.scenario.num_forget_clients):
         specs.append(NodeSpec(f"forget-{i}", f"role='forget' partition-id={i}"))
-    for j in range(settings.num_retain_clients):
-        pid = settings.num_forget_clients + j
+    for j in range(settings.scenario.num_retain_clients):
+        pid = settings.scenario.num_forget_clients + j
         specs.append(NodeSpec(f"retain-{j}", f"role='retain' partition-id={pid}"))
     return specs
 

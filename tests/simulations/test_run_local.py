@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 from flwr.common.config import parse_config_args
+from strategies.settings_rules import RunConfigError
 
 from simulations import run_local
-from strategies.settings_rules import RunConfigError
 
 
 def test_folders_in_run_config_act_like_the_options(tmp_path, monkeypatch):
@@ -23,7 +23,7 @@ def test_folders_in_run_config_act_like_the_options(tmp_path, monkeypatch):
     cache = tmp_path / "my cache"
     plan = run_local.plan_run(f"output-dir='out' gamma=2.0 cache-dir='{cache}' seed=3")
     assert (plan.output_dir, plan.cache_dir) == (tmp_path / "out", cache)
-    assert (plan.settings.output_dir, plan.settings.cache_dir) == (
+    assert (plan.settings.output_dir, plan.settings.model.cache_dir) == (
         str(tmp_path / "out"),
         str(cache),
     )

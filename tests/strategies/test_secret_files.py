@@ -47,7 +47,7 @@ def test_secret_file_others_may_read_is_refused(tmp_path, mode):
 def test_private_secret_file_is_read_without_its_newline(tmp_path, mode):
     path = _secret_file(tmp_path, "s3cret value\n", mode)
     settings = RunSettings.from_run_config({"strategy": "mpu", "mpu-secret-file": str(path)})
-    assert given_secret(settings.mpu_secret_file) == "s3cret value"
+    assert given_secret(settings.mpu.secret_file) == "s3cret value"
     assert settings.as_dict()["mpu-secret-file"] == str(path)  # the path, never the secret
     assert "s3cret" not in repr(settings.as_dict())
     assert given_secret("") == ""  # unset: $FEDUNLEARN_MPU_SECRET or a fresh secret

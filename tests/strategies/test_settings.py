@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from strategies.settings_rules import RULES, RunConfigError
 
 from strategies.settings import RunSettings
-from strategies.settings_rules import RULES, RunConfigError
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -18,9 +18,9 @@ def test_pyproject_run_config_matches_settings_defaults():
     config = tomllib.loads(PYPROJECT.read_text())["tool"]["flwr"]["app"]["config"]
     settings = RunSettings.from_run_config(config)
     assert settings == RunSettings().resolved()
-    assert settings.objective == "ga" and settings.num_forget_clients == 5
+    assert settings.objective.name == "ga" and settings.scenario.num_forget_clients == 5
     assert set(config) == set(RunSettings().as_dict())
-    assert settings.epsilon == math.inf
+    assert settings.firm.epsilon == math.inf
 
 
 def test_overrides_and_errors():
@@ -189,10 +189,10 @@ def test_a_registry_model_gets_practical_lora_targets_and_a_cpu_sized_tofu_subse
     settings = RunSettings.from_run_config(
         {"model": "smollm2-135m", "data-path": "/data/tofu", "lora-rank": 8}
     )
-    assert settings.lora_targets == "q_proj,v_proj"
-    assert settings.eval_max_new_tokens == 64
-    assert settings.tofu_subset_authors == (200 if torch.cuda.is_available() else 4)
-    assert settings.scenario_params().subset_authors == settings.tofu_subset_authors
+    assert settings.lora.targets == "q_proj,v_proj"
+    assert settings.eval.max_new_tokens == 64
+    assert settings.scenario.tofu_subset_authors == (200 if torch.cuda.is_available() else 4)
+    assert settings.scenario_params().subset_authors == settings.scenario.tofu_subset_authors
     explicit = RunSettings.from_run_config(
         {"model": "smollm2-135m", "lora-targets": "q_proj", "tofu-subset-authors": 8}
     )
@@ -202,9 +202,9 @@ def test_a_registry_model_gets_practical_lora_targets_and_a_cpu_sized_tofu_subse
 def test_a_registry_model_on_real_muse_files_gets_a_cpu_sized_subset_and_recipe():
     config = {"scenario": "muse", "model": "smollm2-135m", "data-path": "/data/muse-news"}
     settings = RunSettings.from_run_config(config)
-    assert settings.muse_subset_texts == (100 if torch.cuda.is_available() else 16)
-    assert settings.scenario_params().subset_texts == settings.muse_subset_texts
-    assert (settings.model_finetune_epochs, settings.model_finetune_lr) == (8, 5e-4)
+    assert settings.scenario.muse_subset_texts == (100 if torch.cuda.is_available() else 16)
+    assert settings.scenario_params().subset_texts == settings.scenario.muse_subset_texts
+    assert (settings.model.finetune_epochs, settings.model.finetune_lr) == (8, 5e-4)
     assert RunSettings.from_run_config({**config, "muse-subset-texts": 4}).muse_subset_texts == 4
     tofu = RunSettings.from_run_config({"model": "smollm2-135m", "data-path": "/data/tofu"})
     assert tofu.scenario_params().subset_texts == 0 and tofu.model_finetune_lr == 1e-4

@@ -1,0 +1,57 @@
+"""The ``training`` and ``lora`` option groups: the clients' local training."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fedunlearn.options import POSITIVE, POSITIVE_INT, OneOf, Parsed, option, option_group
+
+FINETUNE_MODES = ("lora", "full")
+
+
+def _check_layers(text: str) -> None:
+    from fedunlearn.training.lora import parse_layers
+
+    if text != "auto":
+        parse_layers(text)
+
+
+@option_group("training")
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Local optimisation on the clients (``[tool.flwr.app.config.training]``)."""
+
+    forget_steps: int = option(
+        0, "forget clients' steps; 0 = the scenario's (12; wmdp 30)", POSITIVE_INT
+    )
+    forget_lr: float = option(
+        0.0, "forget clients' learning rate; 0 = the scenario's (1e-3; wmdp 5e-3)", POSITIVE
+    )
+    retain_steps: int = option(40, "retain clients' steps (next-token NLL)", POSITIVE_INT)
+    retain_lr: float = option(1e-3, "retain clients' learning rate", POSITIVE)
+    batch_size: int = option(8, "local batch size", POSITIVE_INT)
+    finetune: str = option(
+        "lora",
+        "lora, or full: clients train the targeted weights themselves (dense task vectors; "
+        "not with model.load-in-4bit)",
+        OneOf(lambda: FINETUNE_MODES),
+    )
+    fisher_batches: int = option(
+        20, "batches of one sequence for the empirical Fisher diagonal", POSITIVE_INT
+    )
+    client_threads: int = option(1, "torch threads per client process", POSITIVE_INT)
+
+
+@option_group("lora")
+@dataclass(frozen=True)
+class LoraOptions:
+    """The LoRA adapter W + (alpha / rank)·B·A (``[tool.flwr.app.config.lora]``)."""
+
+    rank: int = option(16, "adapter rank", POSITIVE_INT)
+    alpha: float = option(32.0, "adapter scale numerator (s = alpha / rank)", POSITIVE)
+    targets: str = option("auto", "comma-separated module names LoRA adapts; auto = the scenario's")
+    layers: str = option(
+        "auto",
+        "layer indices LoRA adapts (e.g. 1,2 or 0-3); auto = the scenario's",
+        Parsed(_check_layers, "auto, or layer indices / ranges"),
+    )
