@@ -3,7 +3,8 @@
 A node declares a local copy of the checkpoint the server starts from, θ_base (a Hugging Face
 checkpoint folder), as ``base-checkpoint`` — in its node config (deployment:
 ``flower-supernode --node-config "... base-checkpoint='/models/base'"``) or, for every node
-that declares none there, in the run config (simulation, where all nodes share one machine).
+that declares none there, as ``model.base-checkpoint`` in the run config (simulation, where
+all nodes share one machine).
 It reports the sha256 of θ_base in its answer to the server's node query; where that matches
 the server's initial weights, every TRAIN message carries only the weights of θ_round that
 differ from θ_base (round 1: none) and the node rebuilds θ_round from its copy
@@ -35,6 +36,7 @@ from wire.delivery import (
     DELTA,
     FULL,
     MODEL_SHA_KEY,
+    RUN_BASE_KEY,
     state_sha256,
     tensor_digest,
 )
@@ -62,7 +64,7 @@ _loaded: dict[str, BaseCheckpoint] = {}  # one base per process (the last one lo
 
 def declared_base(context: Context) -> Path | None:
     """The node's ``base-checkpoint``: node config first, then run config; None when unset."""
-    value = context.node_config.get(BASE_KEY) or context.run_config.get(BASE_KEY)
+    value = context.node_config.get(BASE_KEY) or context.run_config.get(RUN_BASE_KEY)
     return Path(str(value)).expanduser().resolve() if value else None
 
 

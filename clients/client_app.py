@@ -4,7 +4,7 @@ On a TRAIN message the client rebuilds the model it was sent, materialises its o
 shard, computes the empirical Fisher diagonal at the received weights (SPEC §1.1), trains a
 LoRA adapter (or, with ``finetune='full'``, the targeted weights themselves) with its role's
 objective and replies with the task vector, the Fisher diagonal and its metrics, in the
-run's upload forms (``task-vector-upload``, ``fisher-upload``: :mod:`fedunlearn.upload_codec`).
+run's upload forms (``upload.task-vector``, ``upload.fisher``: :mod:`fedunlearn.upload_codec`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def query(msg: Message, context: Context) -> Message:
     Replies ``{"node-info": {"role": ..., "partition-id": ...}}`` with only the keys the
     node config sets (simulation: ``partition-id`` alone); the server maps the scenario's
     clients onto the nodes with it (``strategies.node_roles``). The data path stays local.
-    A node that declares a ``base-checkpoint`` also replies its ``base-sha256`` (or
+    A node that declares a ``model.base-checkpoint`` also replies its ``base-sha256`` (or
     ``base-problem``): ``clients.base_checkpoint``.
     """
     info: dict[str, ConfigRecordValues] = {
@@ -91,7 +91,7 @@ def fit(msg: Message, context: Context) -> Message:
 def train(msg: Message, context: Context) -> Message:
     """Fisher at the received weights, then LoRA training with the role's objective.
 
-    With ``mpu-copies`` = m the message holds m published copies (``arrays-0`` ...); the
+    With ``mpu.copies`` = m the message holds m published copies (``arrays-0`` ...); the
     client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
     """
     owner = f"node {context.node_id}"
@@ -257,8 +257,8 @@ def encode_upload(
     fisher: dict[str, torch.Tensor],
     config: ConfigRecord,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
-    """The task vector and Fisher as the run's upload forms (``task-vector-upload``,
-    ``fisher-upload``, ``fisher-upload-fraction``) and their sizes: ``bytes-task-vector``,
+    """The task vector and Fisher as the run's upload forms (``upload.task-vector``,
+    ``upload.fisher``, ``upload.fisher-fraction``) and their sizes: ``bytes-task-vector``,
     ``bytes-fisher``, ``bytes-sent`` (both) and ``bytes-dense`` (both as dense float32)."""
     tv_parts = encode_task_vector(task_vector, str(config.get("task-vector-upload", "dense")))
     fisher_parts = encode_fisher(

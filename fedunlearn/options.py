@@ -62,7 +62,9 @@ class OneOf:
 @dataclass(frozen=True)
 class Number:
     """A number in ``[low, high]`` (an end excluded when ``*_open``), finite unless ``inf_ok``;
-    ``special`` names values accepted outside the range, as ``(value, meaning)`` pairs."""
+    ``special`` names values accepted outside the range, as ``(value, meaning)`` pairs;
+    ``unset`` is the value that stands for "the scenario's default", replaced by the scenario's
+    value before the check (so it is described, but not accepted)."""
 
     low: float = -math.inf
     high: float = math.inf
@@ -70,6 +72,7 @@ class Number:
     high_open: bool = False
     inf_ok: bool = False
     special: tuple[tuple[float, str], ...] = ()
+    unset: float | None = None
 
     def problem(self, value: Any, kind: type) -> str | None:
         return None if self.accepts(value) else f"must be {self.describe(kind)}"
@@ -99,6 +102,8 @@ class Number:
             span = ""
         text = f"{what} {span}".strip() + (" (inf allowed)" if self.inf_ok else "")
         extra = "".join(f", or {v:g} ({meaning})" for v, meaning in self.special)
+        if self.unset is not None:
+            extra += f"; {self.unset:g} = the scenario's default"
         return text + extra
 
 
@@ -130,6 +135,9 @@ FRACTION = Number(low=0, high=1, low_open=True)
 ANY_FINITE = Number()
 SCENARIO_DEFAULT = ((-1.0, "the scenario's default"),)
 OFF_OR_AT_LEAST_ONE = Number(low=1, special=((0.0, "off"),))
+#: ``0`` stands for the scenario's default (filled in before the check)
+POSITIVE_INT_OR_SCENARIO = Number(low=1, unset=0)
+POSITIVE_OR_SCENARIO = Number(low=0, low_open=True, unset=0)
 
 
 def option(default: T, help: str, rule: Rule | None = None) -> T:

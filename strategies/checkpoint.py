@@ -11,9 +11,9 @@ last finished round:
   the round and a random ``nonce`` that ties the file to its ``state.json``);
 * ``state.json``: the round, the nonce, the weights' sha256, the config fingerprint, the run
   config (without secrets) and ``extra`` — what results.json needs about the finished rounds;
-* ``mpu-secret`` (MPU runs only, permissions 0600): the fresh server secret of a run whose
-  ``mpu-secret`` was empty — so that a resumed run draws the same noise and
-  reparameterisations — or, when the secret was given (``mpu-secret-file`` or
+* ``mpu.secret`` (MPU runs only, permissions 0600): the fresh server secret of a run whose
+  ``mpu.secret`` was empty — so that a resumed run draws the same noise and
+  reparameterisations — or, when the secret was given (``mpu.secret-file`` or
   ``$FEDUNLEARN_MPU_SECRET``), only a keyed check value of it (never the secret itself); with
   the sha256 of its contents. The secret is never written to results.json or to the log.
 
@@ -29,7 +29,7 @@ from ``state.json``'s) raises ``CheckpointError`` naming the file; nothing is de
 ``clear`` (``resume=false``) removes only the files the marker lists.
 
 A checkpoint belongs to one run configuration: ``config_fingerprint`` hashes the run config
-minus the keys that cannot change the weights (``output-dir``, ``cache-dir``, the secret,
+minus the keys that cannot change the weights (``output-dir``, ``model.cache-dir``, the secret,
 ``resume``, ``num-rounds`` — a run may be extended by more rounds), plus the model's weight
 names, shapes and dtypes. ``load`` refuses a checkpoint of another fingerprint with an error
 that names the differing keys.
@@ -95,7 +95,7 @@ class CheckpointError(RuntimeError):
 
 def model_structure(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """Weight name → ``dtype[shape]``: what the fingerprint knows about the model (the weights'
-    values are not hashed; a different checkpoint at the same ``model-path`` is not noticed)."""
+    values are not hashed; a different checkpoint at the same ``model.path`` is not noticed)."""
     return {name: f"{t.dtype}{list(t.shape)}" for name, t in sorted(state.items())}
 
 
@@ -341,9 +341,9 @@ class RunCheckpoint:
     def mpu_secret(self, explicit: str = "", env_var: str = DEFAULT_SECRET_ENV_VAR) -> ServerSecret:
         """The MPU server secret of this run, the same before and after a restart.
 
-        ``explicit`` (read from ``mpu-secret-file``) or ``$env_var`` when set — the folder
+        ``explicit`` (read from ``mpu.secret-file``) or ``$env_var`` when set — the folder
         then keeps only a keyed check value, and a restart with another secret is refused;
-        otherwise the fresh secret stored in ``mpu-secret`` (0600) by the first start, or a
+        otherwise the fresh secret stored in ``mpu.secret`` (0600) by the first start, or a
         new one (256 random bits, hex-encoded) that is stored there now."""
         given = explicit or os.environ.get(env_var, "")
         stored = self._read_secret_file()
@@ -359,7 +359,7 @@ class RunCheckpoint:
                 if known != check:
                     raise CheckpointError(
                         f"the checkpoint in {self.folder} was made with another MPU secret; "
-                        "resume with the same mpu-secret-file (or $FEDUNLEARN_MPU_SECRET), or "
+                        "resume with the same mpu.secret-file (or $FEDUNLEARN_MPU_SECRET), or "
                         "set resume=false to start afresh"
                     )
                 return secret
@@ -369,7 +369,7 @@ class RunCheckpoint:
             if stored.get("kind") != "fresh":
                 raise CheckpointError(
                     f"the checkpoint in {self.folder} was made with a given MPU secret: set the "
-                    "same mpu-secret-file (or $FEDUNLEARN_MPU_SECRET) to resume, or "
+                    "same mpu.secret-file (or $FEDUNLEARN_MPU_SECRET) to resume, or "
                     "resume=false"
                 )
             return ServerSecret(str(stored["secret"]).encode("utf-8"))

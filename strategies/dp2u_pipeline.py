@@ -1,6 +1,6 @@
 """DP2Unlearning on Flower (SPEC §4): stages A, B, C and the baselines, from run config.
 
-``strategy='dp2u'`` with ``dp2u-method``:
+``pipeline="dp2u"`` with ``dp2u.method``:
 
 * ``dp2u-sgd`` / ``dp2u-mlm``: stage A trains the base BM_DP from the public base with DP
   (DP-SGD on every client, or plain training on DP-MLM-rewritten text); stage B fine-tunes
@@ -10,10 +10,11 @@
   unlearning, the gold standard every method's forget quality is measured against.
 * ``ga`` / ``graddiff`` / ``kl`` / ``idk`` (PO): the non-DP deployed model (public base
   fine-tuned on all records for E rounds), then one federated unlearning round on the
-  clients that hold the forget records (LoRA, ``forget-steps``, ``forget-lr``, sum merge).
+  clients that hold the forget records (LoRA, ``training.forget-steps``,
+  ``training.forget-lr``, sum merge).
 
-Every stage is a Flower FedAvg run over the data clients (``dp2u-local-epochs`` per round). Models
-of finished stages are cached on the server (``<cache-dir>/dp2u/<key>``, keyed by everything
+Every stage is a Flower FedAvg run over the data clients (``dp2u.local-epochs`` per round). Models
+of finished stages are cached on the server (``<model.cache-dir>/dp2u/<key>``, keyed by everything
 that determines them), so a sweep over methods and ε trains each shared stage once.
 """
 
@@ -78,7 +79,7 @@ class Dp2uPipeline:
         self.request = settings.forget_request()
         self.forget_indices: list[int] = []
         self.splits: dict[str, list[dict]] | None = None
-        if self.request:  # named authors / records on named clients replace forget-percent
+        if self.request:  # named authors / records on named clients replace scenario.forget-percent
             self.shards = apply_forget_request(data, self.shards, self.request)
             self.forget_indices = sorted(i for sh in self.shards for i in sh.forget)
             # RunSettings allows strategy 'dp2u' on the tofu scenario only
@@ -102,7 +103,7 @@ class Dp2uPipeline:
     # ---- stages ------------------------------------------------------------------------------
 
     def public_base(self) -> dict[str, torch.Tensor]:
-        """θ_public: the substrate's pre-trained stage (public corpus only), or model-path."""
+        """θ_public: the substrate's pre-trained stage (public corpus only), or model.path."""
         if self.settings.model.path:  # copies: the run's model object is reused for evaluation
             return {
                 k: v.detach().to("cpu", torch.float32, copy=True)
@@ -177,7 +178,7 @@ class Dp2uPipeline:
         return key, state
 
     def public_mlm_path(self) -> str:
-        """A masked LM for DP-MLM: ``dp2u-mlm-path`` or one trained on the public corpus."""
+        """A masked LM for DP-MLM: ``dp2u.mlm-path`` or one trained on the public corpus."""
         if self.settings.dp2u.mlm_path:
             return self.settings.dp2u.mlm_path
         from fedunlearn.dp.mlm import save_masked_lm, train_masked_lm
@@ -315,7 +316,7 @@ class Dp2uPipeline:
         )
         info = {
             "stage": f"unlearn ({s.dp2u.method}, LoRA, {s.training.forget_steps} steps)",
-            "rounds": None,  # not epochs: forget-steps LoRA steps on the forget records
+            "rounds": None,  # not epochs: training.forget-steps LoRA steps on the forget records
             "seconds": time.perf_counter() - started,
             "client_seconds": sum(float(c.get("seconds", 0.0)) for c in strategy.client_reports),
             "clients": strategy.client_reports,

@@ -3,14 +3,14 @@
 Every round each data client receives the global weights and its own config (stage, shard,
 the records a forget request removes), trains one round locally and returns its weights; the
 server averages them weighted by the number of examples each client trained on. Every field
-of a reply is checked before use (issue 13): its size (``max-upload-mb``, texts and metrics
+of a reply is checked before use (issue 13): its size (``server.max-upload-mb``, texts and metrics
 included), its stage and examples digest (short strings), every metric (a finite number;
 ``num-examples`` a whole number from 1 to the records the server assigned to that client, so
 one client cannot take over the average), and its weights (the global model's names, shapes
-and dtype, finite, no entry above ``sanity.MAX_ABS_VALUE``, at most ``max-update-ratio`` × the
-global weights' norm away from them). A client that fails any check, or whose reply cannot be
-read at all, is excluded with its reason; a round with no valid reply, or a non-finite
-average, fails with the previous global model kept.
+and dtype, finite, no entry above ``sanity.MAX_ABS_VALUE``, at most
+``server.max-update-ratio`` × the global weights' norm away from them). A client that fails any
+check, or whose reply cannot be read at all, is excluded with its reason; a round with no
+valid reply, or a non-finite average, fails with the previous global model kept.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ class FedTrainStrategy(Strategy):
         max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
         spool: UploadSpool | None = None,
     ) -> None:
-        """``spool`` (``stream-uploads``): each client's weights go to disk as they are read
+        """``spool`` (``upload.stream``): each client's weights go to disk as they are read
         and are averaged from memory maps one tensor at a time (``strategies.upload_spool``)."""
         if not shards:
             raise ValueError("FedTrainStrategy needs at least one data shard")
@@ -107,9 +107,9 @@ class FedTrainStrategy(Strategy):
         self.num_rounds = num_rounds
         self.node_wait_timeout = node_wait_timeout
         if not 0 <= max_upload_mb < math.inf:
-            raise ValueError(f"max-upload-mb must be >= 0 and finite, got {max_upload_mb}")
+            raise ValueError(f"server.max-upload-mb must be >= 0 and finite, got {max_upload_mb}")
         self.max_upload_bytes = int(max_upload_mb * 2**20)
-        self.max_update_ratio = check_ratio("max-update-ratio", max_update_ratio)
+        self.max_update_ratio = check_ratio("server.max-update-ratio", max_update_ratio)
         self.node_shard: dict[int, DataShard] = {}
         self.global_arrays: ArrayRecord | None = None
         self.rounds: list[dict[str, Any]] = []  # per round: client reports, seconds
@@ -189,7 +189,8 @@ class FedTrainStrategy(Strategy):
         self, node_id: int, arrays: ArrayRecord, global_state: Mapping[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
         """The client's weights: the global model's names, shapes and dtypes, finite, no entry
-        above ``sanity.MAX_ABS_VALUE``, and at most ``max-update-ratio`` × ‖θ‖ away from θ."""
+        above ``sanity.MAX_ABS_VALUE``, and at most ``server.max-update-ratio`` × ‖θ‖ away
+        from θ."""
         if set(arrays) != set(global_state):
             diff = sorted(set(arrays) ^ set(global_state))[:3]
             raise ReplyRejected(
@@ -219,7 +220,7 @@ class FedTrainStrategy(Strategy):
                 raise ReplyRejected(
                     node_id,
                     f"weights are {step:.4g} away from the global model's, more than "
-                    f"max-update-ratio ({self.max_update_ratio:g}) × its norm {scale:.4g}",
+                    f"server.max-update-ratio ({self.max_update_ratio:g}) × its norm {scale:.4g}",
                 )
         return state
 

@@ -107,20 +107,21 @@ class MergeStrategy(Strategy):
     server_lr : float (default: 1.0)
         η_srv in θ ← θ + η_srv·Δ.
     min_replies : int (default: 0)
-        Valid updates a round needs (``min-replies``); 0 = one valid forget update per
+        Valid updates a round needs (``server.min-replies``); 0 = one valid forget update per
         assigned forget domain (see ``reply_validation.check_min_replies``).
     max_upload_mb : float (default: 0.0)
-        Upload limit per reply in MiB (``max-upload-mb``); 0 = the largest honest reply
+        Upload limit per reply in MiB (``server.max-upload-mb``); 0 = the largest honest reply
         (``reply_validation.auto_upload_limit``).
     robust_norm_bound, fisher_cap : float (default: 0.0)
         ``fedunlearn.merging.robust`` options applied before the merge (0 = off).
     client_norm_ratio : float (default: 100)
         Exclude a client whose task-vector norm is above this × its role's median norm
-        (``client-norm-ratio``; roles with fewer than 3 valid clients are not checked; 0 = off;
+        (``server.client-norm-ratio``; roles with fewer than 3 valid clients are not checked;
+        0 = off;
         ``fedunlearn.merging.sanity.norm_outliers``).
     max_update_ratio : float (default: 100)
         Fail the round when ‖η_srv·Δ‖ exceeds this × the norm of the weights Δ changes
-        (``max-update-ratio``; 0 = off). A non-finite Δ or new weights always fail the round.
+        (``server.max-update-ratio``; 0 = off). A non-finite Δ or new weights always fail the round.
     checkpoint : RunCheckpoint | None (default: None)
         Where the weights after every successful round are saved (with ``round_record()``),
         so that a killed run can resume (``strategies.checkpoint``).
@@ -128,7 +129,7 @@ class MergeStrategy(Strategy):
         Rounds finished before this start (a resumed run): Flower's round r is the run's round
         r + round_offset, which is what seeds, MPU keys and the checkpoint see.
     spool : UploadSpool | None (default: None)
-        With a spool (``stream-uploads``), every validated upload is written to disk as it is
+        With a spool (``upload.stream``), every validated upload is written to disk as it is
         read and merged from a memory map one weight at a time (``strategies.upload_spool``);
         without, uploads are decoded from the reply messages held in memory.
     """
@@ -168,13 +169,13 @@ class MergeStrategy(Strategy):
             raise ValueError(f"server-lr must be a finite number, got {server_lr}")
         self.server_lr = float(server_lr)
         if min_replies < 0 or max_upload_mb < 0:
-            raise ValueError("min-replies and max-upload-mb must be >= 0")
+            raise ValueError("server.min-replies and server.max-upload-mb must be >= 0")
         self.min_replies = int(min_replies)
         self.max_upload_mb = float(max_upload_mb)
         self.robust_norm_bound = float(robust_norm_bound)
         self.fisher_cap = float(fisher_cap)
-        self.client_norm_ratio = check_ratio("client-norm-ratio", client_norm_ratio)
-        self.max_update_ratio = check_ratio("max-update-ratio", max_update_ratio)
+        self.client_norm_ratio = check_ratio("server.client-norm-ratio", client_norm_ratio)
+        self.max_update_ratio = check_ratio("server.max-update-ratio", max_update_ratio)
         self.update_ratio = math.nan  # ‖η·Δ‖ / ‖θ‖ of the last merged round
         self._reports: dict[int, dict[str, Any]] = {}  # node id → its report, this round
         self.needs_fisher = merge_needs_fisher(self.merge_fn)
@@ -272,7 +273,7 @@ class MergeStrategy(Strategy):
         )
 
     def upload_limit_bytes(self) -> int:
-        """``max-upload-mb`` in bytes, or (0) the largest honest reply for this model."""
+        """``server.max-upload-mb`` in bytes, or (0) the largest honest reply for this model."""
         if self.max_upload_mb > 0:
             return int(self.max_upload_mb * 2**20)
         if self.global_arrays is None:
@@ -367,7 +368,7 @@ class MergeStrategy(Strategy):
                 continue
             updates.append(update)
             report.update(role=update.role, domain=update.domain, **fields)
-        # Flower's start loop hands over only the replies that arrived before round-timeout
+        # Flower's start loop hands over only the replies that arrived before server.round-timeout
         for node_id, assignment in self.node_assignment.items():
             if node_id not in self._reports:
                 report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
@@ -436,7 +437,7 @@ class MergeStrategy(Strategy):
 
     def _drop_inconsistent(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """Exclude clients off the round's key set, then task-vector norm outliers of their
-        role (``client-norm-ratio``; ``sanity.norm_outliers``)."""
+        role (``server.client-norm-ratio``; ``sanity.norm_outliers``)."""
         odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
         for node_id, reason in odd.items():
             self._exclude(self._reports[int(node_id)], reason)
@@ -449,7 +450,8 @@ class MergeStrategy(Strategy):
         return [u for u in updates if u.node_id not in outliers]
 
     def _robust(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
-        """The ``robust-norm-bound`` / ``fisher-cap`` options (both 0: ``updates`` as given)."""
+        """The ``server.robust-norm-bound`` / ``server.fisher-cap`` options (both 0: ``updates``
+        as given)."""
         if self.robust_norm_bound <= 0 and self.fisher_cap <= 0:
             return updates
         updates, robust = apply_robust(
@@ -470,7 +472,7 @@ class MergeStrategy(Strategy):
         return result
 
     def _new_weights(self, server_round: int, result: MergeResult) -> dict[str, torch.Tensor]:
-        """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``max-update-ratio``)
+        """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``server.max-update-ratio``)
         and that the new weights are finite; otherwise the round fails."""
         if self.global_arrays is None:
             raise RuntimeError("_new_weights called before configure_train")

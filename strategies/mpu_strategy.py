@@ -7,7 +7,7 @@ task vector and Fisher diagonal in that copy's coordinates; the server maps them
 one ``ClientUpdate`` per client to the wrapped merge and sets θ ← θ + η_srv·Δ. Keys come from
 the server secret per (round, client, copy, layer) and never leave the server.
 
-``publish="per-round"`` (``mpu-publish``) draws ε⁰_k and T_k per (round, copy) instead and
+``publish="per-round"`` (``mpu.publish``) draws ε⁰_k and T_k per (round, copy) instead and
 sends the same m copies to every client of the round, built once. For the server's weights
 that is no weaker: a coalition of clients then holds m copies of θ instead of m per member,
 and one client's view is unchanged (the same law of copies). What changes: the copies no
@@ -57,7 +57,7 @@ from strategies.results import json_safe
 from wire.messages import decoded_arrays
 
 MPU_MODES = ("mpu", "clean", "noised")
-#: ``mpu-publish``: fresh copies for every client, or one set of copies for the whole round.
+#: ``mpu.publish``: fresh copies for every client, or one set of copies for the whole round.
 MPU_PUBLISH = ("per-client", "per-round")
 MPU_SIGMA_SOURCES = ("weights", "task-vector")
 
@@ -105,13 +105,13 @@ class MpuOptions:
 
 
 TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
-#: in results.json and the log whenever ``mpu-mode=mpu`` runs without shared noise
+#: in results.json and the log whenever ``mpu.mode=mpu`` runs without shared noise
 ALIGNMENT_WARNING = (
-    "without mpu-shared-kappa, a client that aligns its m copies (they are noisy versions of "
+    "without mpu.shared-kappa, a client that aligns its m copies (they are noisy versions of "
     "the same weights) can cancel the zero-sum noise and compute nearly the server's exact "
     "model: the threat-model study measured it 41-2204x closer to the exact outputs than one "
     "copy on the built-in model, 335x on SmolLM2-135M at kappa=0.01 (docs/mpu.md, 'Threat "
-    "model'); mpu-shared-kappa > 0 adds noise the alignment cannot remove"
+    "model'); mpu.shared-kappa > 0 adds noise the alignment cannot remove"
 )
 
 
@@ -162,17 +162,17 @@ class MpuStrategy(MergeStrategy):
     ) -> None:
         super().__init__(**kwargs)
         if mode not in MPU_MODES:
-            raise ValueError(f"mpu-mode must be one of {MPU_MODES}, got {mode!r}")
+            raise ValueError(f"mpu.mode must be one of {MPU_MODES}, got {mode!r}")
         if mode == "mpu" and copies < 2:
-            raise ValueError(f"MPU needs mpu-copies >= 2 (zero-sum noise), got {copies}")
+            raise ValueError(f"MPU needs mpu.copies >= 2 (zero-sum noise), got {copies}")
         if kappa < 0:
-            raise ValueError(f"mpu-kappa must be >= 0, got {kappa}")
+            raise ValueError(f"mpu.kappa must be >= 0, got {kappa}")
         if not math.isfinite(shared_kappa) or shared_kappa < 0:
-            raise ValueError(f"mpu-shared-kappa must be finite and >= 0, got {shared_kappa}")
+            raise ValueError(f"mpu.shared-kappa must be finite and >= 0, got {shared_kappa}")
         if shared_kappa > 0 and mode != "mpu":
-            raise ValueError(f"mpu-shared-kappa needs mpu-mode='mpu', got {mode!r}")
+            raise ValueError(f"mpu.shared-kappa needs mpu.mode='mpu', got {mode!r}")
         if publish not in MPU_PUBLISH:
-            raise ValueError(f"mpu-publish must be one of {MPU_PUBLISH}, got {publish!r}")
+            raise ValueError(f"mpu.publish must be one of {MPU_PUBLISH}, got {publish!r}")
         self.mode = mode
         self.publish = publish
         self.copies = copies if mode == "mpu" else 1

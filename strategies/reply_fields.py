@@ -27,7 +27,7 @@ MAX_COUNT = 1e9
 MAX_REPORTED = 1e15
 #: Longest text field (objective, stage, digest) a reply may hold.
 MAX_TEXT_CHARS = 200
-#: Metadata an honest reply needs on top of its arrays (``max-upload-mb = 0``): a few dozen
+#: Metadata an honest reply needs on top of its arrays (``server.max-upload-mb = 0``): a few dozen
 #: metrics and short texts, with a wide margin.
 METADATA_ALLOWANCE = 2**20
 

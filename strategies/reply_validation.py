@@ -9,7 +9,7 @@ in ``results.json`` as ``clients[*].excluded``.
 
 What a valid reply is:
 
-* the whole reply (arrays, texts, metrics) takes at most the upload limit (``max-upload-mb``;
+* the whole reply (arrays, texts, metrics) takes at most the upload limit (``server.max-upload-mb``;
   by default the largest honest reply: a float64 task vector and Fisher for every weight of
   the global model per copy, plus ``reply_fields.METADATA_ALLOWANCE``);
 * its metrics are finite numbers of the right kind in range (``reply_fields.REPLY_METRICS``)
@@ -57,7 +57,9 @@ from strategies.reply_fields import (
 FISHER_MERGES: tuple[str, ...] = ("firm",)
 
 #: ``excluded`` reason of a node that was sent a task but whose reply never came.
-NO_REPLY_REASON = "no reply within round-timeout (the client crashed, was lost or is a straggler)"
+NO_REPLY_REASON = (
+    "no reply within server.round-timeout (the client crashed, was lost or is a straggler)"
+)
 
 #: Records every reply (or MPU copy, after ``_copy_reply``) must hold.
 REQUIRED_RECORDS: tuple[str, ...] = ("task_vector", "metrics", "info")
@@ -113,7 +115,7 @@ def auto_upload_limit(
 ) -> int:
     """The largest honest reply in bytes: ``copies`` × ``tensors_per_copy`` (task vector and
     Fisher; FedAvg: the weights) in float64 for every weight of the global model, plus the
-    metadata allowance (``max-upload-mb = 0``)."""
+    metadata allowance (``server.max-upload-mb = 0``)."""
     numel = sum(int(np.prod(shape, dtype=np.int64)) for shape in shapes.values())
     return int(copies) * int(tensors_per_copy) * 8 * numel + METADATA_ALLOWANCE
 
@@ -127,7 +129,7 @@ def check_payload_size(node: Any, nbytes: int, limit_bytes: int) -> None:
         raise ReplyRejected(
             node,
             f"reply holds {nbytes / _MB:.1f} MB (arrays and metadata), over the upload limit of "
-            f"{limit_bytes / _MB:.1f} MB (max-upload-mb)",
+            f"{limit_bytes / _MB:.1f} MB (server.max-upload-mb)",
         )
 
 
@@ -313,12 +315,12 @@ def check_min_replies(
         return "no valid forget update to merge"
     if min_replies > 0:
         if len(valid) < min_replies:
-            return f"only {len(valid)} valid update(s), min-replies is {min_replies}"
+            return f"only {len(valid)} valid update(s), server.min-replies is {min_replies}"
         return None
     uncovered = sorted(set(forget_domains) - set(forget))
     if uncovered:
         return (
-            f"no valid forget update for domain(s) {uncovered} (min-replies=0 needs one per "
+            f"no valid forget update for domain(s) {uncovered} (server.min-replies=0 needs one per "
             "assigned forget domain)"
         )
     return None
@@ -382,7 +384,7 @@ def check_factor_ranks(node: Any, task_vector: DecodedTensors, max_rank: int | N
         if rank is not None and rank > max_rank:
             raise ReplyRejected(
                 node,
-                f"is uploaded as LoRA factors of rank {rank}, above the run's lora-rank {max_rank}",
+                f"is uploaded as LoRA factors of rank {rank}, above the run's lora.rank {max_rank}",
                 kind="task-vector",
                 tensor=name,
             )

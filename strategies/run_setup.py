@@ -52,7 +52,7 @@ class RunModel:
 
 
 def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunModel:
-    """A local checkpoint or GGUF file (``model-path``), a registry model fine-tuned on the
+    """A local checkpoint or GGUF file (``model.path``), a registry model fine-tuned on the
     scenario's data (``model``), or the built-in substrate (each built when missing); a
     real model also gets its MMLU subset (:func:`general_questions`)."""
     run_model = _load_model(settings, show_progress=show_progress)
@@ -61,8 +61,8 @@ def load_run_model(settings: RunSettings, *, show_progress: bool = True) -> RunM
 
 
 def general_questions(settings: RunSettings) -> list[dict[str, Any]]:
-    """The seeded MMLU subset (``mmlu-subjects`` × ``mmlu-per-subject`` test questions) a real
-    model is scored on before and after unlearning; [] without an MMLU folder."""
+    """The seeded MMLU subset (``eval.mmlu-subjects`` × ``eval.mmlu-per-subject`` test questions)
+    a real model is scored on before and after unlearning; [] without an MMLU folder."""
     folder = settings.mmlu_folder()
     if folder is None:
         return []
@@ -131,25 +131,25 @@ def _finetuned_run_model(
 
 
 def pretrained_state(settings: RunSettings, run_model: RunModel) -> dict[str, torch.Tensor]:
-    """θ_pretrained for MPU's task-vector σ (``mpu-sigma-source='task-vector'``):
-    ``mpu-pretrained-path`` or, for the built-in model, the substrate's pre-trained stage."""
+    """θ_pretrained for MPU's task-vector σ (``mpu.sigma-source='task-vector'``):
+    ``mpu.pretrained-path`` or, for the built-in model, the substrate's pre-trained stage."""
     if settings.mpu.pretrained_path:
         path = Path(settings.mpu.pretrained_path).expanduser()
     elif "folder" in run_model.info:
         path = Path(run_model.info["folder"]) / "pretrained"
     else:
-        raise ValueError("mpu-sigma-source='task-vector' needs mpu-pretrained-path")
+        raise ValueError("mpu.sigma-source='task-vector' needs mpu.pretrained-path")
     if not path.is_dir():
-        raise FileNotFoundError(f"mpu-pretrained-path {path} is not a checkpoint folder")
+        raise FileNotFoundError(f"mpu.pretrained-path {path} is not a checkpoint folder")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"mpu-pretrained-path {path} has no config.json")
+        raise FileNotFoundError(f"mpu.pretrained-path {path} has no config.json")
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
     state = {k: v.detach().float().cpu() for k, v in model.state_dict().items()}
     expected = run_model.model.state_dict()
     wrong = [k for k, v in expected.items() if k in state and state[k].shape != v.shape]
     if wrong:
         raise ValueError(
-            f"mpu-pretrained-path {path}: tensor {wrong[0]!r} has shape "
+            f"mpu.pretrained-path {path}: tensor {wrong[0]!r} has shape "
             f"{tuple(state[wrong[0]].shape)}, the model's is {tuple(expected[wrong[0]].shape)}"
         )
     return state

@@ -3,8 +3,8 @@
 A secret given on a command line is visible to every user of the machine (``ps``,
 ``/proc/<pid>/cmdline``), and a run-config value is also kept in the SuperLink's run record,
 which any client that reaches the SuperLink's port can list. The MPU server secret therefore
-comes from a file (``mpu-secret-file``, mode 0600 or stricter) or from
-``$FEDUNLEARN_MPU_SECRET`` in the ServerApp's environment; the inline ``mpu-secret`` key is
+comes from a file (``mpu.secret-file``, mode 0600 or stricter) or from
+``$FEDUNLEARN_MPU_SECRET`` in the ServerApp's environment; the inline ``mpu.secret`` key is
 refused.
 """
 
@@ -14,8 +14,8 @@ import os
 import stat
 from pathlib import Path
 
-SECRET_FILE_KEY = "mpu-secret-file"
-INLINE_SECRET_KEY = "mpu-secret"
+SECRET_FILE_KEY = "mpu.secret-file"
+INLINE_SECRET_KEY = "mpu.secret"
 MAX_SECRET_BYTES = 64 * 1024
 PRIVATE_MODE = 0o600
 
@@ -102,7 +102,7 @@ def read_secret_file(path: str | Path, key: str = SECRET_FILE_KEY) -> str:
 
 
 def check_secret_keys(inline_secret: str, secret_file: str) -> None:
-    """Refuse an inline ``mpu-secret``; check ``mpu-secret-file`` (when set) now, before any
+    """Refuse an inline ``mpu.secret``; check ``mpu.secret-file`` (when set) now, before any
     expensive work (see :func:`read_secret_file`)."""
     if inline_secret:
         raise ValueError(
@@ -117,6 +117,6 @@ def check_secret_keys(inline_secret: str, secret_file: str) -> None:
 
 
 def given_secret(secret_file: str) -> str:
-    """The secret in ``mpu-secret-file``, or ``""`` when unset (then ``$FEDUNLEARN_MPU_SECRET``
+    """The secret in ``mpu.secret-file``, or ``""`` when unset (then ``$FEDUNLEARN_MPU_SECRET``
     or the checkpoint's stored fresh secret applies, see ``RunCheckpoint.mpu_secret``)."""
     return read_secret_file(secret_file) if secret_file else ""

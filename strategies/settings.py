@@ -27,8 +27,8 @@ from fedunlearn.objectives import objective_requirements
 from fedunlearn.objectives.options import ObjectiveOptions
 from fedunlearn.options import (
     COUNT,
-    POSITIVE,
     POSITIVE_INT,
+    POSITIVE_OR_SCENARIO,
     OneOf,
     Parsed,
     check_options,
@@ -119,7 +119,9 @@ class RunSettings:
         OneOf(lambda: WRAPPERS),
     )
     gamma: float = option(
-        0.0, "global scale γ of the merged update; 0 = the scenario's (8 / 4 / 3)", POSITIVE
+        0.0,
+        "global scale γ of the merged update (scenario: tofu 8, wmdp 4, muse 3)",
+        POSITIVE_OR_SCENARIO,
     )
     evaluate: bool = option(
         True,

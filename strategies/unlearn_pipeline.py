@@ -162,7 +162,7 @@ def build_strategy(
     done: int,
     output_dir: Path,
 ) -> MergeStrategy:
-    """The merge strategy of ``strategy`` (MPU around ``mpu-merge`` with ``strategy=mpu``),
+    """The merge strategy of ``merge`` (MPU around it with ``wrapper=mpu``),
     configured for this run's clients, checkpoint and resume point."""
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     assignments = scenario.assignments()

@@ -1,6 +1,6 @@
 """The streaming server's store: each validated upload goes to disk as it is read.
 
-``MergeStrategy`` (``stream-uploads = true``, the default) writes every client's validated
+``MergeStrategy`` (``upload.stream = true``, the default) writes every client's validated
 upload parts — task vector and Fisher, in whatever compact form the client sent them — to
 ``<output-dir>/uploads-spool/round-<r>/node-<id>.safetensors``, drops the arrays from the
 reply message, and hands the merge a :class:`~fedunlearn.merging.ClientUpdate` whose tensors

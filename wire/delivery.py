@@ -15,7 +15,9 @@ from collections.abc import Mapping
 import numpy as np
 from flwr.app import ArrayRecord
 
-BASE_KEY = "base-checkpoint"  # node config / run config: the node's θ_base folder
+BASE_KEY = "base-checkpoint"  # node config: the node's θ_base folder
+#: the same for every simulated node of a run (a node's own node config wins)
+RUN_BASE_KEY = "model.base-checkpoint"
 BASE_SHA_KEY = "base-sha256"  # query reply and TRAIN config: state_sha256(θ_base)
 BASE_PROBLEM_KEY = "base-problem"  # query reply: why the declared base cannot be used
 MODEL_SHA_KEY = "model-sha256"  # TRAIN config: state_sha256(θ_round)

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedunlearn.options import COUNT, POSITIVE_INT, Number, OneOf, option, option_group
+from fedunlearn.options import (
+    COUNT,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_SCENARIO,
+    Number,
+    OneOf,
+    option,
+    option_group,
+)
 
 
 def _scenario_names() -> list[str]:
@@ -38,8 +46,8 @@ class ScenarioOptions:
     forget_domains: str = option("bio,cyber", "wmdp: hazard domains to forget (bio, cyber, chem)")
     num_forget_clients: int = option(
         0,
-        "forget clients, on disjoint shards of the forget data; 0 = the scenario's (5 / 6 / 3)",
-        POSITIVE_INT,  # 0 is filled in before the check
+        "forget clients, on disjoint shards of the forget data (scenario: 5 / 6 / 3)",
+        POSITIVE_INT_OR_SCENARIO,
     )
     num_retain_clients: int = option(1, "retain clients", COUNT)
     retain_samples: int = option(200, "retain records each retain client holds", COUNT)

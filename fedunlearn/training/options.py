@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedunlearn.options import POSITIVE, POSITIVE_INT, OneOf, Parsed, option, option_group
+from fedunlearn.options import (
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_SCENARIO,
+    POSITIVE_OR_SCENARIO,
+    OneOf,
+    Parsed,
+    option,
+    option_group,
+)
 
 FINETUNE_MODES = ("lora", "full")
 
@@ -22,10 +31,10 @@ class TrainingOptions:
     """Local optimisation on the clients (``[tool.flwr.app.config.training]``)."""
 
     forget_steps: int = option(
-        0, "forget clients' steps; 0 = the scenario's (12; wmdp 30)", POSITIVE_INT
+        0, "forget clients' steps (scenario: 12; wmdp 30)", POSITIVE_INT_OR_SCENARIO
     )
     forget_lr: float = option(
-        0.0, "forget clients' learning rate; 0 = the scenario's (1e-3; wmdp 5e-3)", POSITIVE
+        0.0, "forget clients' learning rate (scenario: 1e-3; wmdp 5e-3)", POSITIVE_OR_SCENARIO
     )
     retain_steps: int = option(40, "retain clients' steps (next-token NLL)", POSITIVE_INT)
     retain_lr: float = option(1e-3, "retain clients' learning rate", POSITIVE)
