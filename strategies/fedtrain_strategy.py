@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any, cast
 
 import torch
@@ -39,14 +39,12 @@ from strategies.reply_fields import (
     MAX_REPORTED,
     MetricRule,
     clip,
-    exclusion_reason,
     parse_all_metrics,
     reply_bytes,
     short_text,
     shown,
 )
 from strategies.reply_validation import (
-    NO_REPLY_REASON,
     ReplyRejected,
     RoundFailedError,
     auto_upload_limit,
@@ -58,6 +56,7 @@ from strategies.reply_validation import (
     expected_shapes,
     load_values,
 )
+from strategies.round_steps import collect_replies
 from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
 from wire.messages import FIT_MESSAGE_TYPE
@@ -239,37 +238,26 @@ class FedTrainStrategy(Strategy):
         order = {node_id: i for i, node_id in enumerate(self.node_shard)}
         if self.spool is not None:
             self.spool.begin_round(server_round)
-        valid: list[tuple[int, Mapping[str, torch.Tensor], int]] = []
-        reports: dict[int, dict[str, Any]] = {}
-        extra: list[dict[str, Any]] = []  # replies of nodes not asked, or second replies
-        for reply in replies:
-            node_id = reply.metadata.src_node_id
-            report: dict[str, Any] = {"node_id": node_id, "position": order.get(node_id)}
-            try:
-                if node_id not in order:
-                    raise ReplyRejected(node_id, "is not a node this round was sent to")
-                if node_id in reports:
-                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
-                reports[node_id] = report
-                state: Mapping[str, torch.Tensor]
-                state, fields = self._read_reply(node_id, reply, global_state, limit)
-                if self.spool is not None:
-                    state = self.spool.store_state(node_id, state)
-                    drop_arrays(reply)
-            except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
-                report["excluded"] = exclusion_reason(node_id, err)
-                log(WARNING, "excluding client %s: %s", node_id, report["excluded"])
-                if reports.get(node_id) is not report:
-                    extra.append(report)
-                continue
+
+        def read(
+            node_id: int, reply: Message, report: dict[str, Any]
+        ) -> tuple[Mapping[str, torch.Tensor], int]:
+            state: Mapping[str, torch.Tensor]
+            state, fields = self._read_reply(node_id, reply, global_state, limit)
+            if self.spool is not None:
+                state = self.spool.store_state(node_id, state)
+                drop_arrays(reply)
             report.update(fields)
-            valid.append((order[node_id], state, fields["num_examples"]))
-        for node_id, position in order.items():
-            if node_id not in reports:
-                reason = str(ReplyRejected(node_id, NO_REPLY_REASON))
-                reports[node_id] = {"node_id": node_id, "position": position, "excluded": reason}
-                log(WARNING, "excluding client %s: %s", node_id, reason)
-        clients = sorted(reports.values(), key=lambda r: r["position"]) + extra
+            return state, int(fields["num_examples"])
+
+        collected = collect_replies(replies, {n: {"position": i} for n, i in order.items()}, read)
+        # client order, not arrival order: deterministic reports and sums
+        clients = sorted(
+            collected.reports,
+            key=lambda r: (collected.first.get(r["node_id"]) is not r, order.get(r["node_id"], 0)),
+        )
+        for report in clients:
+            report.setdefault("position", None)
         self.rounds.append(
             {
                 "round": server_round,
@@ -277,14 +265,14 @@ class FedTrainStrategy(Strategy):
                 "seconds": time.perf_counter() - self._round_started,
             }
         )
+        valid = [collected.values[n] for n in sorted(collected.values, key=order.__getitem__)]
         problems = [r["excluded"] for r in clients if "excluded" in r]
         if not valid:
             raise RoundFailedError(
                 f"{self.stage} round {server_round}: no valid client weights; the global model "
                 f"is kept. Client problems: {problems}"
             )
-        valid.sort(key=lambda v: v[0])  # client order, not arrival order: deterministic sums
-        averaged = fedavg([v[1] for v in valid], [float(v[2]) for v in valid])
+        averaged = fedavg([v[0] for v in valid], [float(v[1]) for v in valid])
         problem = nonfinite_problem(averaged, "the averaged weights'")
         if problem is not None:
             raise RoundFailedError(

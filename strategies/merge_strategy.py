@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from logging import INFO, WARNING
+from logging import INFO
 from typing import Any, NoReturn
 
 import torch
@@ -37,12 +37,10 @@ from strategies.node_roles import assign_and_declare
 from strategies.reply_fields import (
     array_bytes,
     clip,
-    exclusion_reason,
     metadata_bytes,
     reply_bytes,
 )
 from strategies.reply_validation import (
-    NO_REPLY_REASON,
     ReplyRejected,
     ReplySpec,
     RoundFailedError,
@@ -55,6 +53,7 @@ from strategies.reply_validation import (
     validate_reply_content,
 )
 from strategies.results import json_safe
+from strategies.round_steps import collect_replies, exclude
 from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
 from wire.messages import decode_client_reply
@@ -333,10 +332,6 @@ class MergeStrategy(Strategy):
 
     # ---- the steps of aggregate_train ----------------------------------------------------------
 
-    def _exclude(self, report: dict[str, Any], reason: str) -> None:
-        report["excluded"] = reason
-        log(WARNING, "excluding client %s: %s", report["node_id"], reason)
-
     def _fail(self, server_round: int, problem: str) -> NoReturn:
         reasons = [r["excluded"] for r in self.client_reports if "excluded" in r]
         raise RoundFailedError(
@@ -346,38 +341,25 @@ class MergeStrategy(Strategy):
 
     def _collect_updates(self, server_round: int, replies: Iterable[Message]) -> list[ClientUpdate]:
         """One validated update per node that replied well, in the scenario's client order
-        (the same run config then gives the same floating-point sums); a report per node."""
-        updates: list[ClientUpdate] = []
+        (the same run config then gives the same floating-point sums); a report per node
+        (:func:`~strategies.round_steps.collect_replies`)."""
         limit = self.upload_limit_bytes()
-        for reply in replies:
-            node_id = reply.metadata.src_node_id
-            assignment = self.node_assignment.get(node_id)
-            report: dict[str, Any] = {"node_id": node_id}
-            if assignment is not None:
-                report.update(role=assignment.role, domain=assignment.domain)
-            self.client_reports.append(report)
-            try:
-                if assignment is None:
-                    raise ReplyRejected(node_id, "is not a node this round was sent to")
-                if node_id in self._reports:
-                    raise ReplyRejected(node_id, "replied twice; only the first reply counts")
-                self._reports[node_id] = report
-                update, fields = self._take_reply(server_round, node_id, reply, limit)
-            except Exception as err:  # noqa: BLE001 — whatever a reply holds, it only excludes it
-                self._exclude(report, exclusion_reason(node_id, err))
-                continue
-            updates.append(update)
+
+        def read(node_id: int, reply: Message, report: dict[str, Any]) -> ClientUpdate:
+            update, fields = self._take_reply(server_round, node_id, reply, limit)
             report.update(role=update.role, domain=update.domain, **fields)
-        # Flower's start loop hands over only the replies that arrived before server.round-timeout
-        for node_id, assignment in self.node_assignment.items():
-            if node_id not in self._reports:
-                report = {"node_id": node_id, "role": assignment.role, "domain": assignment.domain}
-                self.client_reports.append(report)
-                self._exclude(report, str(ReplyRejected(node_id, NO_REPLY_REASON)))
+            return update
+
+        # Flower's start loop hands over only the replies that arrived before the round timeout
+        expected = {
+            n: {"role": a.role, "domain": a.domain} for n, a in self.node_assignment.items()
+        }
+        collected = collect_replies(replies, expected, read)
+        self.client_reports, self._reports = collected.reports, collected.first
         for report in self.client_reports:  # what each node was sent (model_delivery)
             report.update(self.delivery.report(int(report["node_id"])))
         order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
-        return sorted(updates, key=lambda u: order.get(int(u.node_id), len(order)))
+        return [collected.values[n] for n in sorted(collected.values, key=order.__getitem__)]
 
     def receive_reply(self, reply: Message) -> None:
         """Read a TRAIN reply the moment it arrives (``strategies.streaming_grid``): with a
@@ -440,13 +422,13 @@ class MergeStrategy(Strategy):
         role (``server.client-norm-ratio``; ``sanity.norm_outliers``)."""
         odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
         for node_id, reason in odd.items():
-            self._exclude(self._reports[int(node_id)], reason)
+            exclude(self._reports[int(node_id)], reason)
         updates = [u for u in updates if u.node_id not in odd]
         outliers, norms = norm_outliers(updates, self.client_norm_ratio)
         for node_id, norm in norms.items():
             self._reports[int(node_id)]["upload_norm"] = norm
         for node_id, problem in outliers.items():
-            self._exclude(self._reports[int(node_id)], str(ReplyRejected(node_id, problem)))
+            exclude(self._reports[int(node_id)], str(ReplyRejected(node_id, problem)))
         return [u for u in updates if u.node_id not in outliers]
 
     def _robust(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
