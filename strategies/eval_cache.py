@@ -29,10 +29,11 @@ from strategies.results import json_safe
 from strategies.settings import RunSettings
 
 EVALUATION_SOURCES = ("evaluation", "scenarios", "benchmarks", "qa_format.py")
+#: the ``eval`` options that change a model's metrics (the MMLU folder is keyed by its path)
 EVALUATION_KEYS = (
-    "eval_retain_samples",
-    "eval_max_new_tokens",
-    "eval_batch_size",
+    "retain_samples",
+    "max_new_tokens",
+    "batch_size",
     "mmlu_subjects",
     "mmlu_per_subject",
 )
@@ -73,7 +74,7 @@ def evaluation_key(
         "weights": weights_fingerprint(model),
         "scenario": settings.scenario.name,
         "scenario_params": dataclasses.asdict(settings.scenario_params()),
-        "evaluation": {key: getattr(settings, key) for key in EVALUATION_KEYS},
+        "evaluation": {key: getattr(settings.eval, key) for key in EVALUATION_KEYS},
         "mmlu": str(mmlu_folder) if mmlu_folder else None,
         "reference": json.dumps(json_safe(reference_metrics), sort_keys=True),
         "source": evaluation_source_hash(),
