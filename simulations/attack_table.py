@@ -214,8 +214,10 @@ def _evaluator(uploads: Path):
 def main(argv: Sequence[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--uploads", nargs="*", default=["auto"], help="saved-uploads folders")
-    parser.add_argument("--norm-bound", type=float, default=2.0, help="robust-norm-bound when on")
-    parser.add_argument("--fisher-cap", type=float, default=20.0, help="fisher-cap when on")
+    parser.add_argument(
+        "--norm-bound", type=float, default=2.0, help="server.robust-norm-bound when on"
+    )
+    parser.add_argument("--fisher-cap", type=float, default=20.0, help="server.fisher-cap when on")
     parser.add_argument("--gammas", default="firm=8 fulm=0.5", help="'merge=γ ...'")
     parser.add_argument("--evaluate", action="store_true", help="also evaluate (tofu uploads)")
     parser.add_argument("--out", type=Path, default=Path("outputs/attack-table.md"))
@@ -230,8 +232,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     if not sources:
         sources = [None]
     text = (
-        f"Robust options when on: robust-norm-bound={args.norm_bound:g}, "
-        f"fisher-cap={args.fisher_cap:g}. The attacker is the first forget client; "
+        f"Robust options when on: server.robust-norm-bound={args.norm_bound:g}, "
+        f"server.fisher-cap={args.fisher_cap:g}. The attacker is the first forget client; "
         "'honest' = the same merge of the unmodified uploads with robust off.\n\n"
     )
     for source in sources:

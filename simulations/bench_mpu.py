@@ -14,7 +14,7 @@ trust (the load average is printed); on an idle machine the wall ratio is what a
 * **publish**: :meth:`MpuStrategy.node_content` for every client of a round, i.e. per client the
   m copies θ_pub,k = T_k(θ + α_k ε⁰_k) — noise, reparameterisation and the Flower arrays they
   travel in — once per round in ``--repeats`` rounds; one client's share is the fastest round's
-  total over its clients (the round's σ_ℓ included). With ``mpu-publish=per-round`` the first
+  total over its clients (the round's σ_ℓ included). With ``mpu.publish=per-round`` the first
   client's call builds the copies and the others reuse them;
 * **one client's local round**: what ``clients.client_app`` does with one copy (rebuild the
   model from the copy's arrays, the Fisher diagonal over ``--fisher-batches`` batches, LoRA on
@@ -57,6 +57,7 @@ from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
 from clients.client_app import local_update
 from fedunlearn.models.llama import load_local_causal_lm
+from fedunlearn.models.options import ModelOptions
 from fedunlearn.models.pretrained import pretrained_checkpoint
 from fedunlearn.mpu import invert_delta, map_back
 from fedunlearn.qa_format import encode_record
@@ -65,7 +66,6 @@ from fedunlearn.training.lora import LocalTrainSettings
 from fedunlearn.upload_codec import DecodedTensors
 from strategies.mpu_strategy import MPU_PUBLISH, MpuStrategy
 from strategies.reply_validation import validate_reply_content
-from fedunlearn.models.options import ModelOptions
 from strategies.settings import RunSettings
 from wire.messages import describe_model, rebuild_model, wire_state
 

@@ -4,7 +4,7 @@
     python -m simulations.bench_uploads --scales builtin,smollm2-qv
 
 Scales (shapes computed from the numbers, no model loaded; LoRA rank r and scaling s = α/r
-from the run config's ``lora-rank`` / ``lora-alpha``, 16 and 2.0):
+from the run config's ``lora.rank`` / ``lora.alpha``, 16 and 2.0):
 
 * ``builtin``: the built-in tofu model (``SubstrateConfig``'s default sizes), all seven
   projections of every layer;
@@ -20,7 +20,7 @@ wire forms): per weight, LoRA factors B (d_out × r) and A (r × d_in) with N(0,
 diagonal F̂ = 10⁻⁶·exp(2z), z = ρ·z_shared + √(1−ρ²)·z_own, ρ = 0.7, as in
 ``simulations.bench_merge``. Dense form: Δθ = s·B@A and F̂ in float32; compact form: the
 factors and the top-α' Fisher (``--fraction``, default the run config's
-``fisher-upload-fraction``); the bf16 Fisher is counted as a third variant. Bytes are the
+``upload.fisher-fraction``); the bf16 Fisher is counted as a third variant. Bytes are the
 payload (``upload_bytes``) per client.
 
 Server cases (FIRM base merge, ε = ∞, each in its own spawned process):
@@ -93,9 +93,9 @@ OUTPUT_DIR = REPO_ROOT / "outputs" / "bench_uploads"
 _RUN_CONFIG = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"][
     "config"
 ]
-DEFAULT_FRACTION = float(_RUN_CONFIG["fisher-upload-fraction"])
-RANK = int(_RUN_CONFIG["lora-rank"])
-SCALING = float(_RUN_CONFIG["lora-alpha"]) / RANK
+DEFAULT_FRACTION = float(_RUN_CONFIG["upload"]["fisher-fraction"])
+RANK = int(_RUN_CONFIG["lora"]["rank"])
+SCALING = float(_RUN_CONFIG["lora"]["alpha"]) / RANK
 FACTOR_STD = 1e-2
 FISHER_SCALE = 1e-6
 FISHER_SPREAD = 2.0

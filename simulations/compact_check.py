@@ -1,15 +1,16 @@
-"""Compact streamed uploads against dense in-memory ones, on the same whole Flower run.
+r"""Compact streamed uploads against dense in-memory ones, on the same whole Flower run.
 
-    python -m simulations.compact_check --run-config "model='smollm2-135m' data-path='<tofu>'"
+    python -m simulations.compact_check \
+        --run-config "model.name='smollm2-135m' scenario.data-path='<tofu>'"
 
 Runs the same scenario twice through :func:`simulations.run_local.run` (same seed, so the
 clients train the same task vectors from the same θ₀):
 
-* ``dense``: ``task-vector-upload='dense' fisher-upload='dense' stream-uploads=false`` — every
+* ``dense``: ``upload.task-vector='dense' upload.fisher='dense' upload.stream=false`` — every
   client uploads s·B@A and its Fisher diagonal in float32, and the server holds all uploads in
   memory;
 * ``compact``: the run config as given (by default LoRA factors, the top-α' Fisher of
-  ``fisher-upload-fraction`` and the streaming server).
+  ``upload.fisher-fraction`` and the streaming server).
 
 Compared, from each run's ``results.json`` and its saved global weights
 (``checkpoint/weights.safetensors``):
@@ -46,7 +47,7 @@ from strategies.run_setup import load_run_model
 from strategies.settings import RunSettings
 
 OUTPUT_DIR = run_local.REPO_ROOT / "outputs" / "compact_check"
-DENSE_OVERRIDES = "task-vector-upload='dense' fisher-upload='dense' stream-uploads=false"
+DENSE_OVERRIDES = "upload.task-vector='dense' upload.fisher='dense' upload.stream=false"
 FORMS = ("dense", "compact")
 #: per-client report fields (``results.json`` → ``clients``) averaged in the table
 BYTE_FIELDS = ("bytes_sent", "bytes_task_vector", "bytes_fisher", "bytes_dense")

@@ -32,7 +32,7 @@ flattens the tables to dotted keys, which is how they are overridden:
 
 ```bash
 .venv/bin/python -m simulations.run_local \\
-    --run-config "gamma=2.0 firm.alpha=0.2 scenario.forget-percent=5.0"
+    --run-config "gamma=2.0 firm.epsilon=1e-4 scenario.forget-percent=5.0"
 ```
 
 See [configuration.md](configuration.md) for how runs are configured and checked.
@@ -70,7 +70,7 @@ def reference() -> str:
     table_head = ["| key | default | accepts | meaning |", "|---|---|---|---|"]
     parts = [HEADER, "## Run-wide keys\n", *table_head, *_rows("", settings, RunSettings), ""]
     for name, group in GROUP_TYPES.items():
-        doc = (group.__doc__ or "").strip().splitlines()[0]
+        doc = " ".join((group.__doc__ or "").strip().split("\n\n")[0].split())
         parts += [f"## `{name}`\n", doc, "", *table_head]
         parts += [*_rows(f"{name}.", getattr(settings, name), group), ""]
     parts += [

@@ -3,7 +3,7 @@
     python -m simulations.dp2u_study [--forget 1,5,10] [--methods ...] [--epsilons ...]
         [--dp-lr-by-epsilon 1:0.05,10:0.2,100:0.4]
 
-Every cell is one real Flower simulation with ``strategy=dp2u``; stages shared between cells
+Every cell is one real Flower simulation with ``pipeline=dp2u``; stages shared between cells
 (the DP base per ε, the deployed models, RFS-R per forget split) are trained once and cached
 by the server. Writes ``dp2u_study.json``, ``dp2u_study.md`` and ``dp2u_study.png`` (model
 utility against forget quality per split, and both against ε) into the output folder; every
@@ -51,7 +51,7 @@ def _cell(run_config: str, output_dir: Path) -> dict[str, Any]:
         "deployed_model_utility": results["metrics"]["before"]["model_utility"],
         "deployed_forget_rouge_l": results["metrics"]["before"]["forget_rouge_l"],
         "base_model_utility": results["metrics"].get("base", {}).get("model_utility"),
-        "dp_lr": results["config"].get("dp2u-dp-lr") if dp["method"] == "dp2u-sgd" else None,
+        "dp_lr": results["config"].get("dp2u.dp-lr") if dp["method"] == "dp2u-sgd" else None,
         "epsilon_spent_max": max((e for e in spent if e is not None), default=None),
         **{k: v for k, v in dp["forget_truth_ratio_distances"].items() if k != "ks_pvalue"},
         **dp["cost_vs_rfs_r"],
@@ -65,7 +65,7 @@ def _lr_override(method: str, eps: float, dp_lr_by_epsilon: dict[float, float]) 
     if method != "dp2u-sgd" or eps not in dp_lr_by_epsilon:
         return "", ""
     lr = dp_lr_by_epsilon[eps]
-    return f" dp2u-dp-lr={lr}", f"-lr{lr:g}"
+    return f" dp2u.dp-lr={lr}", f"-lr{lr:g}"
 
 
 def study(
@@ -80,7 +80,7 @@ def study(
 ) -> dict[str, Any]:
     """The method table at ε = 1 for every forget split, then the ε sweep of the DP methods."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    base = f"strategy='dp2u' {run_config}".strip()
+    base = f"pipeline='dp2u' {run_config}".strip()
     lrs = dp_lr_by_epsilon or {}
     table = []
     for percent in forget:
@@ -88,7 +88,8 @@ def study(
             extra, suffix = _lr_override(method, 1.0, lrs)
             name = f"forget{percent:g}-{method}{suffix}"
             config = (
-                f"{base} forget-percent={percent} dp2u-method='{method}' dp2u-epsilon=1.0{extra}"
+                f"{base} scenario.forget-percent={percent} dp2u.method='{method}' "
+                f"dp2u.epsilon=1.0{extra}"
             )
             cell = _cell(config, output_dir / "runs" / name)
             table.append({"forget_percent": percent, "method": method, **cell})
@@ -98,8 +99,8 @@ def study(
             extra, suffix = _lr_override(method, eps, lrs)
             name = f"forget{sweep_forget:g}-{method}-eps{eps:g}{suffix}"
             config = (
-                f"{base} forget-percent={sweep_forget} dp2u-method='{method}' "
-                f"dp2u-epsilon={eps}{extra}"
+                f"{base} scenario.forget-percent={sweep_forget} dp2u.method='{method}' "
+                f"dp2u.epsilon={eps}{extra}"
             )
             cell = _cell(config, output_dir / "runs" / name)
             sweep.append({"method": method, "epsilon": eps, **cell})
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--run-config", default="", help="extra run-config overrides")
     parser.add_argument(
-        "--dp-lr-by-epsilon", type=_lr_map, default=None, help="ε:dp2u-dp-lr pairs (dp2u-sgd)"
+        "--dp-lr-by-epsilon", type=_lr_map, default=None, help="ε:dp2u.dp-lr pairs (dp2u-sgd)"
     )
     parser.add_argument("--output-dir", type=Path, default=None)
     args = parser.parse_args(argv)

@@ -17,10 +17,10 @@ dense uploads, so the budget is active) are merged. Reported per form:
   costs its deflated mask (under 1 bit per entry) plus 4 bytes per kept value;
 * ``upload_ratio``: dense upload (task vector + Fisher, 8 bytes per entry) / compact upload
   (task vector as rank-r LoRA factors, r·(d_in + d_out) + 1 floats per weight, + the Fisher;
-  r is the run's ``lora-rank``, for synthetic inputs the rank their task vectors are drawn at);
+  r is the run's ``lora.rank``, for synthetic inputs the rank their task vectors are drawn at);
 * real input only: the scenario's metrics of θ₀ + Δ (forgetting and utility).
 
-F̂ is itself an estimate from N = ``fisher-batches`` batches of one sequence of the client's
+F̂ is itself an estimate from N = ``training.fisher-batches`` batches of one sequence of the client's
 shard. The yardstick is therefore the ``resampling`` rows: the same e, dense Fishers estimated
 again from R = ``--redraws`` other draws of N batches of the same data, the same task vectors and
 ε; redrawn for every client, and for the forget clients only (the retain clients keep the
@@ -36,7 +36,7 @@ entrywise by exp(σz − σ²/2), z ~ N(0, 1), σ² = ln(1 + ρ²), which keeps 
 
 Recommendation: the resampling bound b is the smallest, over inputs and both merges, median
 over redraws of the resampling e (every client's F̂ redrawn); the recommended
-``fisher-upload-fraction`` is the smallest α' of the grid whose worst e (over inputs, FIRM base
+``upload.fisher-fraction`` is the smallest α' of the grid whose worst e (over inputs, FIRM base
 and projected) is at most b, printed with its bytes per client. Also reported: the α' under b
 with only the forget clients' F̂ redrawn, and the α' that keeps e ≤ ``--bound`` (a fixed 1 %).
 
@@ -95,10 +95,11 @@ DEFAULT_SPREAD = 0.35
 #: cores): 2 forget authors over 4 forget clients in ONE domain, 2 retain clients; the Fisher
 #: is uploaded dense so that the saved uploads are the raw F̂
 RUN_CONFIG = (
-    "substrate-hidden-size=128 substrate-layers=2 substrate-intermediate-size=256 "
-    "substrate-background-documents=200 num-authors=20 forget-percent=10.0 retain-samples=80 "
-    "eval-retain-samples=50 gamma=5.0 num-forget-clients=4 num-forget-domains=1 "
-    "num-retain-clients=2 fisher-upload='dense'"
+    "substrate.hidden-size=128 substrate.layers=2 substrate.intermediate-size=256 "
+    "substrate.background-documents=200 scenario.num-authors=20 scenario.forget-percent=10.0 "
+    "scenario.retain-samples=80 eval.retain-samples=50 gamma=5.0 "
+    "scenario.num-forget-clients=4 scenario.num-forget-domains=1 "
+    "scenario.num-retain-clients=2 upload.fisher='dense'"
 )
 SYNTHETIC_PER_DOMAIN = (1, 2, 4, 8)
 MERGES = ("base", "projected")
@@ -665,7 +666,7 @@ def _recommendation_lines(rec: dict[str, Any]) -> list[str]:
             )
         else:
             lines.append(
-                f"Under {rule} = {r['bound']:.2%}: fisher-upload-fraction {r['fraction']:g}; "
+                f"Under {rule} = {r['bound']:.2%}: upload.fisher-fraction {r['fraction']:g}; "
                 f"on {r['bytes_input']} {r['fisher_bytes']:,.0f} Fisher bytes per client "
                 f"({r['fisher_bytes_ratio']:.3f} of dense), {r['upload_bytes']:,.0f} bytes "
                 f"per upload, {r['upload_ratio']:.1f}x smaller than dense"

@@ -19,7 +19,7 @@ def matched_forgetting(
     forget_metric: str = "forget_rouge_l",
     utility_metric: str = "model_utility",
 ) -> list[dict[str, Any]]:
-    """For every ``anchor`` point, the nearest point of each other strategy by forget metric.
+    """For every ``anchor`` point, the nearest point of each other merge by forget metric.
 
     ``utility_diff`` = anchor utility − baseline utility (positive: the anchor keeps more at
     about the same forgetting); ``forget_gap`` = |difference of the forget metric|.
@@ -86,7 +86,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         )
     )
     lines = [
-        "| strategy | γ | ‖Δ‖ | " + " | ".join(cols) + " |",
+        "| merge | γ | ‖Δ‖ | " + " | ".join(cols) + " |",
         "|---|---|---|" + "---|" * len(cols),
     ]
     for name, row in (("original", summary["before"]), ("reference", summary["reference"])):

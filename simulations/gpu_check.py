@@ -11,7 +11,7 @@ or ``real-check: FAILED ...``.
 
 Without ``--real`` (the tiny family check) it generates a tiny checkpoint of the chosen family
 (random weights, a tokenizer trained on the TOFU background corpus) under
-``outputs/gpu-check/``, then runs the full Flower pipeline on it with ``model-path``: the
+``outputs/gpu-check/``, then runs the full Flower pipeline on it with ``model.path``: the
 server in bfloat16 on CUDA, clients computing Fisher on the bf16 copy and training LoRA on a
 4-bit NF4 copy through bitsandbytes. It checks that CUDA was used, that every client replied,
 and that the task vectors and merge are finite, and prints the summary.
@@ -85,8 +85,9 @@ def tiny_check(family: str, *, four_bit: bool) -> int:
     checkpoint = make_checkpoint(root / "checkpoint", family)
     results_path = run_local.run(
         run_config=(
-            f"model-path='{checkpoint}' dtype='bfloat16' load-in-4bit={str(four_bit).lower()} "
-            "num-authors=20 retain-samples=20 eval-retain-samples=20 eval-max-new-tokens=8"
+            f"model.path='{checkpoint}' model.dtype='bfloat16' "
+            f"model.load-in-4bit={str(four_bit).lower()} scenario.num-authors=20 "
+            "scenario.retain-samples=20 eval.retain-samples=20 eval.max-new-tokens=8"
         ),
         federation_config="client-resources-num-gpus=0.1",  # else Ray hides the GPU
         output_dir=root / "run",

@@ -29,7 +29,10 @@ from simulations import run_local  # noqa: E402
 from simulations.sweep import run_and_load_uploads  # noqa: E402
 from strategies.results import json_safe  # noqa: E402
 
-SCENARIO = "forget-percent=2.0 num-forget-clients=4 num-forget-domains=4 num-retain-clients=1"
+SCENARIO = (
+    "scenario.forget-percent=2.0 scenario.num-forget-clients=4 scenario.num-forget-domains=4 "
+    "scenario.num-retain-clients=1"
+)
 DEFAULT_GAMMAS = {"sum": 2.0, "fulm": 2.0, "firm": 8.0}
 
 

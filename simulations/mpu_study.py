@@ -2,8 +2,8 @@
 
     python -m simulations.mpu_study [--objectives ga,graddiff,npo,simnpo] [--run-config "..."]
 
-Every cell is one real Flower simulation with ``strategy=mpu`` (the baselines run through the
-same code path: ``mpu-mode=clean`` sends one exact copy, ``noised`` one noisy copy without
+Every cell is one real Flower simulation with ``wrapper=mpu`` (the baselines run through the
+same code path: ``mpu.mode=clean`` sends one exact copy, ``noised`` one noisy copy without
 reparameterisation or denoising). Writes ``mpu_study.json``, ``mpu_study.md``,
 ``mpu_table.png`` (Clean / Noised / MPU per objective) and ``mpu_study.png`` (forget quality
 and utility per κ and m) into the output folder; every run's ``results.json`` stays under
@@ -40,10 +40,10 @@ STUDY_SECRET = "fedunlearn-mpu-study"
 #: the table's modes: the baselines, MPU as published, and MPU with noise shared by a client's
 #: copies (the defense the threat-model study, ``simulations.mpu_attack``, found to hold)
 MODES = {
-    "clean": "mpu-mode='clean'",
-    "noised": "mpu-mode='noised' mpu-kappa=0.01",
-    "mpu": "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01",
-    "mpu-shared": "mpu-mode='mpu' mpu-copies=2 mpu-kappa=0.01 mpu-shared-kappa=0.01",
+    "clean": "mpu.mode='clean'",
+    "noised": "mpu.mode='noised' mpu.kappa=0.01",
+    "mpu": "mpu.mode='mpu' mpu.copies=2 mpu.kappa=0.01",
+    "mpu-shared": "mpu.mode='mpu' mpu.copies=2 mpu.kappa=0.01 mpu.shared-kappa=0.01",
 }
 
 
@@ -77,8 +77,8 @@ def _replicated(
     runs = []
     for r in range(replicates if randomised else 1):
         secret = ""
-        if "mpu-secret-file=" not in run_config:
-            secret = f" mpu-secret-file='{study_secret_file(output_dir, r)}'"
+        if "mpu.secret-file=" not in run_config:
+            secret = f" mpu.secret-file='{study_secret_file(output_dir, r)}'"
         suffix = f"-r{r}" if randomised else ""
         runs.append(_cell(run_config + secret, output_dir / "runs" / f"{name}{suffix}"))
     cell = dict(runs[0])
@@ -95,7 +95,7 @@ def _replicated(
 
 def study_secret_file(output_dir: Path, replicate: int) -> Path:
     """The 0600 file holding replicate ``replicate``'s fixed study secret (made once), for
-    ``mpu-secret-file``: a secret never goes into a run config (command lines, run records)."""
+    ``mpu.secret-file``: a secret never goes into a run config (command lines, run records)."""
     folder = make_private_dir(output_dir / "secrets")
     path = folder / f"study-secret-{replicate}"
     secret = f"{STUDY_SECRET}-{replicate}"
@@ -134,13 +134,13 @@ def study(
     noise κ_η=0.01), then (``sweep_cells``) κ and m sweeps on GA, each randomised cell over
     ``replicates`` study secrets."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    base = f"strategy='mpu' {run_config}".strip()
+    base = f"wrapper='mpu' {run_config}".strip()
     table: list[dict[str, Any]] = []
     for objective in objectives:
         for mode in modes:
             extra = MODES[mode]
             cell = _replicated(
-                f"{base} objective='{objective}' {extra}",
+                f"{base} objective.name='{objective}' {extra}",
                 output_dir,
                 f"{objective}-{mode}",
                 replicates,
@@ -153,7 +153,7 @@ def study(
             if kappa != 0.01 and m != 2:
                 continue  # κ varies at m = 2, m varies at κ = 0.01
             name = f"ga-mpu-k{kappa:g}-m{m}"
-            config = f"{base} objective='ga' mpu-mode='mpu' mpu-copies={m} mpu-kappa={kappa}"
+            config = f"{base} objective.name='ga' mpu.mode='mpu' mpu.copies={m} mpu.kappa={kappa}"
             cell = _replicated(config, output_dir, name, replicates, randomised=True)
             sweep.append({"kappa": kappa, "m": m, **cell})
     clean = {r["objective"]: r for r in table if r["mode"] == "clean"}

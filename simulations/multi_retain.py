@@ -29,7 +29,10 @@ from simulations import run_local
 from simulations.sweep import FlowerUploads, run_and_load_uploads
 from strategies.results import json_safe
 
-SCENARIO = "num-retain-clients=3 retain-layout='heterogeneous' retain-samples=100"
+SCENARIO = (
+    "scenario.num-retain-clients=3 scenario.retain-layout='heterogeneous' "
+    "scenario.retain-samples=100"
+)
 BUDGET_FRACTION = 0.3
 
 

@@ -55,7 +55,7 @@ def study(objectives: list[str], run_config: str, output_dir: Path) -> dict[str,
     rows: list[dict[str, Any]] = []
     summary: dict[str, Any] = {"run_config": run_config, "rows": rows}
     for objective in objectives:
-        config = f"{run_config} objective='{objective}'".strip()
+        config = f"{run_config} objective.name='{objective}'".strip()
         try:
             run_local.run_settings(run_local.parse_config_pairs(config))  # refused up front?
             path = run_local.run(run_config=config, output_dir=output_dir / "runs" / objective)
@@ -63,7 +63,7 @@ def study(objectives: list[str], run_config: str, output_dir: Path) -> dict[str,
             rows.append({"objective": objective, "error": str(err)})
             continue
         results = json.loads(path.read_text())
-        scenario = get_scenario(results["config"]["scenario"])
+        scenario = get_scenario(results["config"]["scenario.name"])
         metrics = list(scenario.summary_metrics)
         forget = [c for c in results["clients"] if c.get("role") == "forget"]
         summary.update(

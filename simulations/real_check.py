@@ -21,7 +21,7 @@ Three stages, each timed; the last line printed is ``real-check: ok (...)`` (exi
    weight) — about twice the original's error; 10× leaves margin, while a wrong map (one
    weight left unmapped: one down_proj) changed them by 18 on these prompts.
 3. **flower** — one real Flower round of FIRM (GA forget client + NLL retain client) with
-   ``model-path`` = the converted checkpoint on the real TOFU files in
+   ``model.path`` = the converted checkpoint on the real TOFU files in
    ``<repo>/../shared/data/tofu``: 2 authors, TOFU's last author (20 QA) forgotten, the first
    author (20 QA) retained, a few local steps, no benchmark evaluation by the server
    (``evaluate=false``: this check measures what it needs itself; :data:`RUN_CONFIG`).
@@ -33,7 +33,7 @@ Three stages, each timed; the last line printed is ``real-check: ok (...)`` (exi
    more than ``RETAIN_TOLERANCE`` nats.
 
 ``--cuda`` (used by ``simulations.gpu_check --real``) runs stages 1–2 on the GPU in float32
-and the Flower round with ``dtype=auto`` (bfloat16 server and clients on CUDA); the NLLs are
+and the Flower round with ``model.dtype=auto`` (bfloat16 server and clients on CUDA); the NLLs are
 then measured in bfloat16 too, and every client must report that it trained on CUDA.
 Outputs go to ``outputs/real-check/<time>/`` (git-ignored). Measured 7.8 minutes on an idle
 2-core CPU with ``OMP_NUM_THREADS=1`` and one client process, of which the server's TOFU
@@ -89,9 +89,10 @@ RETAIN_TOLERANCE = 0.02
 #: offline on a small grid (forget lr 1e-4 – 5e-4, retain lr 2e-4 – 1e-3, γ 2 – 8) picked
 #: 5e-4 / 5e-4 with γ = 4 (offline 2.57 → 3.39 and 2.72 → 2.56; in the Flower round 3.43, 2.60)
 RUN_CONFIG = (
-    "tofu-subset-authors=2 forget-percent=0.5 num-forget-clients=1 num-retain-clients=1 "
-    "retain-samples=20 forget-steps=5 retain-steps=5 forget-lr=5e-4 retain-lr=5e-4 gamma=4.0 "
-    "fisher-batches=2 lora-targets='q_proj,v_proj' evaluate=false"
+    "scenario.tofu-subset-authors=2 scenario.forget-percent=0.5 scenario.num-forget-clients=1 "
+    "scenario.num-retain-clients=1 scenario.retain-samples=20 training.forget-steps=5 "
+    "training.retain-steps=5 training.forget-lr=5e-4 training.retain-lr=5e-4 gamma=4.0 "
+    "training.fisher-batches=2 lora.targets='q_proj,v_proj' evaluate=false"
 )
 
 
@@ -209,7 +210,9 @@ def flower_stage(
 ) -> StageResult:
     """Stage 3: one real Flower round of FIRM, checked from the files it leaves on disk."""
     started = time.perf_counter()
-    run_config = f"model-path='{folder}' data-path='{tofu_data_folder(tofu_dir)}' {RUN_CONFIG}"
+    run_config = (
+        f"model.path='{folder}' scenario.data-path='{tofu_data_folder(tofu_dir)}' {RUN_CONFIG}"
+    )
     federation = "client-resources-num-gpus=0.5" if cuda else ""  # else Ray hides the GPU
     plan = run_local.plan_run(run_config, federation, output_dir=output_dir)
     data = get_scenario("tofu")(plan.settings.scenario_params()).data
@@ -255,7 +258,8 @@ def run_checks(
     """Named checks of the Flower round (``before`` / ``after``: forget and retain NLL)."""
     clients = results["clients"]
     norms = [c.get("task_vector_norm", math.nan) for c in clients]
-    expected = results["config"]["num-forget-clients"] + results["config"]["num-retain-clients"]
+    config = results["config"]
+    expected = config["scenario.num-forget-clients"] + config["scenario.num-retain-clients"]
     rise, retain_change = after[0] - before[0], after[1] - before[1]
     checks = {
         f"every client replied ({len(clients)}/{expected})": len(clients) == expected

@@ -4,7 +4,8 @@ Starts a private simulation SuperLink (free loopback ports, runtime dependency i
 off, telemetry off), submits the app with ``flwr run --stream``, waits for the results file,
 prints the before/after table and stops the SuperLink it started — also on failure.
 
-    python -m simulations.run_local --run-config "gamma=2.0" --federation-config "..."
+    python -m simulations.run_local --run-config "gamma=2.0 merge='ties'" --federation-config "..."
+    python -m simulations.run_local --run-config presets/wmdp.toml
 """
 
 from __future__ import annotations
@@ -25,10 +26,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from strategies.settings import RunConfigError
-
 from simulations.app_bundle import stage_app
-from strategies.settings import RunSettings
+from strategies.settings import RunConfigError, RunSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BIN_DIR = Path(sys.executable).parent
@@ -38,7 +37,8 @@ BIN_DIR = Path(sys.executable).parent
 # (flwr.common.config.parse_config_args); splitting the same way keeps what is checked here
 # exactly what Flower reads.
 CONFIG_PAIR = re.compile(r"(\S+?)=('[^']*'|\"[^\"]*\"|\S+)")
-FOLDER_KEYS = ("output-dir", "cache-dir")  # run-config keys that act like the runner's options
+#: run-config keys that act like the runner's options
+FOLDER_KEYS = ("output-dir", "model.cache-dir")
 #: Federation-config pairs applied to every run before ``--federation-config`` (the test suite
 #: sets ``init-args-num-cpus=1``: one client process per run instead of one per core)
 FEDERATION_ENV = "FEDUNLEARN_FEDERATION_CONFIG"
@@ -48,7 +48,21 @@ def config_pairs(text: str) -> list[tuple[str, str]]:
     """``"key=value key2='text'"`` as ``(key, value text)`` pairs, split as Flower splits it.
 
     Text that is not a pair and a key given twice (Flower's "invalid format") are errors.
+    Leading paths ending in ``.toml`` are read as ``flwr run --run-config <file>.toml`` reads
+    one: TOML files of run-config keys (tables are groups: ``[firm] alpha`` is
+    ``firm.alpha``), each over the one before; the pairs after them override their keys
+    (``presets/mpu.toml mpu.copies=3``; ``flwr run`` itself takes a file or pairs, not both).
     """
+    words = text.split()
+    files = []
+    while words and words[0].endswith(".toml") and "=" not in words[0]:
+        files.append(Path(words.pop(0)).expanduser())
+    if files:
+        given = dict(config_pairs(" ".join(words)))
+        from_files: dict[str, str] = {}
+        for path in files:
+            from_files.update(toml_file_pairs(path))
+        return [(k, v) for k, v in from_files.items() if k not in given] + list(given.items())
     pairs: list[tuple[str, str]] = []
     end = 0
     for match in CONFIG_PAIR.finditer(text):
@@ -60,6 +74,27 @@ def config_pairs(text: str) -> list[tuple[str, str]]:
         end = match.end()
     _refuse_stray_text(text[end:])
     return pairs
+
+
+def toml_file_pairs(path: Path) -> list[tuple[str, str]]:
+    """The keys of a run-config TOML file (flattened to dotted keys, as Flower flattens them)
+    as ``(key, value text)`` pairs."""
+    from flwr.common.config import flatten_dict
+
+    try:
+        values = flatten_dict(tomllib.loads(path.read_text()))
+    except (OSError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"run-config file {str(path)!r}: {err}") from None
+    return [(key, _toml_value(value)) for key, value in values.items()]
+
+
+def _toml_value(value: object) -> str:
+    """A TOML bool, number or string as a value text Flower's pair pattern keeps whole."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return _quoted(str(value))
 
 
 def with_overrides(run_config: str, overrides: str) -> str:
@@ -172,17 +207,25 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("FEDUNLEARN_CACHE_DIR", REPO_ROOT / ".cache")).resolve()
 
 
+def pyproject_run_config() -> dict:
+    """The run config of ``pyproject.toml`` flattened to dotted keys, as Flower reads it
+    (``[tool.flwr.app.config.firm] alpha`` → ``firm.alpha``)."""
+    from flwr.common.config import flatten_dict
+
+    defaults = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
+    return flatten_dict(defaults["tool"]["flwr"]["app"]["config"])
+
+
 def run_settings(overrides: dict) -> RunSettings:
     """The pyproject run config with ``overrides`` applied (errors before Flower starts)."""
-    defaults = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())
-    return RunSettings.from_run_config({**defaults["tool"]["flwr"]["app"]["config"], **overrides})
+    return RunSettings.from_run_config({**pyproject_run_config(), **overrides})
 
 
 def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
     """Build the built-in model substrate here, with progress bars, before Flower starts.
 
-    The ServerApp then finds it in the cache. Runs with ``model-path`` skip this; with a
-    registry ``model`` it converts the model and fine-tunes the knowledgeable model and the
+    The ServerApp then finds it in the cache. Runs with ``model.path`` skip this; with a
+    registry ``model.name`` it converts the model and fine-tunes the knowledgeable model and the
     reference on the scenario's data instead.
     """
     from fedunlearn.models.substrate import ensure_substrate
@@ -210,15 +253,16 @@ def prepare_substrate(settings: RunSettings, cache_dir: Path) -> None:
 
 
 def prepare_finetuned(settings: RunSettings, cache_dir: Path) -> None:
-    """Convert registry model ``model`` and fine-tune it on the scenario's data (cached)."""
+    """Convert registry model ``model.name`` and fine-tune it on the scenario's data (cached)."""
     from fedunlearn.models.finetuned import FINETUNED_INFO, ensure_finetuned
     from fedunlearn.models.pretrained import pretrained_checkpoint
     from fedunlearn.scenarios import get_scenario
     from strategies.run_setup import finetune_recipe
 
     print(
-        f"Preparing {settings.model.name}: converted once, then fine-tuned on the {settings.scenario.name} "
-        f"data (knowledgeable model and retain-only reference), cached in {cache_dir.resolve()}",
+        f"Preparing {settings.model.name}: converted once, then fine-tuned on the "
+        f"{settings.scenario.name} data (knowledgeable model and retain-only reference), "
+        f"cached in {cache_dir.resolve()}",
         flush=True,
     )
     base = pretrained_checkpoint(settings.model.name, cache_dir.resolve())
@@ -237,7 +281,7 @@ def prepare_finetuned(settings: RunSettings, cache_dir: Path) -> None:
 class LocalRun:
     """One local run, decided and checked before anything is built or started."""
 
-    settings: RunSettings  # every key checked, output-dir and cache-dir filled in
+    settings: RunSettings  # every key checked, output-dir and model.cache-dir filled in
     output_dir: Path
     cache_dir: Path
     flower_run_config: str  # ``flwr run --run-config``
@@ -252,7 +296,7 @@ def plan_run(
 ) -> LocalRun:
     """Parse and check both configs as Flower and the ServerApp will, before any work.
 
-    ``output-dir`` / ``cache-dir`` in ``run_config`` act exactly like the ``output_dir`` /
+    ``output-dir`` / ``model.cache-dir`` in ``run_config`` act exactly like the ``output_dir`` /
     ``cache_dir`` arguments (a relative path is taken from the working folder); naming a
     folder both ways, differently, is an error. Raises ``ValueError`` (``RunConfigError`` for
     a bad run-config key: unknown, mistyped or out of range).
@@ -260,14 +304,14 @@ def plan_run(
     pairs = config_pairs(run_config)
     user = parse_config_pairs(run_config)
     output_dir = _one_folder("output-dir", output_dir, user.pop("output-dir", None))
-    cache_dir = _one_folder("cache-dir", cache_dir, user.pop("cache-dir", None))
+    cache_dir = _one_folder("model.cache-dir", cache_dir, user.pop("model.cache-dir", None))
     settings = run_settings(user)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (output_dir or REPO_ROOT / "outputs" / settings.output_name(stamp)).resolve()
     cache_dir = (cache_dir or default_cache_dir()).resolve()
     model = dataclasses.replace(settings.model, cache_dir=str(cache_dir))
     settings = dataclasses.replace(settings, output_dir=str(output_dir), model=model)
-    folders = [f"output-dir={_quoted(output_dir)}", f"cache-dir={_quoted(cache_dir)}"]
+    folders = [f"output-dir={_quoted(output_dir)}", f"model.cache-dir={_quoted(cache_dir)}"]
     kept = [f"{key}={value}" for key, value in pairs if key not in FOLDER_KEYS]
     return LocalRun(
         settings=settings,
@@ -292,14 +336,14 @@ def _one_folder(key: str, option: Path | None, value: object) -> Path | None:
     return folder
 
 
-def _quoted(path: Path) -> str:
-    """``path`` as a TOML string Flower's pair pattern keeps whole."""
+def _quoted(path: Path | str) -> str:
+    """``path`` (or any text) as a TOML string Flower's pair pattern keeps whole."""
     text = str(path)
     if "'" not in text:
         return f"'{text}'"
     if '"' not in text and "\\" not in text:
         return f'"{text}"'
-    raise ValueError(f"Flower cannot pass the folder {text!r} (a ' with a \" or a \\ in it)")
+    raise ValueError(f"Flower cannot pass the value {text!r} (a ' with a \" or a \\ in it)")
 
 
 def federation_overrides(num_clients: int, federation_config: str) -> str:
@@ -377,7 +421,12 @@ def run(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--run-config", default="", help='run-config overrides, e.g. "gamma=2.0"')
+    parser.add_argument(
+        "--run-config",
+        default="",
+        help="run-config overrides, e.g. \"gamma=2.0 scenario.name='wmdp'\", or a TOML file of "
+        "them such as presets/wmdp.toml",
+    )
     parser.add_argument(
         "--federation-config",
         default="",
@@ -387,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
         "--output-dir",
         type=Path,
         default=None,
-        help="where results.json goes (default outputs/<scenario>-<strategy>-<time>); "
+        help="where results.json goes (default outputs/<scenario>-<merge>-<time>, the merge "
+        "or mpu / dp2u); "
         "the same as output-dir in --run-config",
     )
     parser.add_argument(
@@ -395,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         type=Path,
         default=None,
         help="substrate cache (default $FEDUNLEARN_CACHE_DIR or .cache/); "
-        "the same as cache-dir in --run-config",
+        "the same as model.cache-dir in --run-config",
     )
     args = parser.parse_args(argv)
     try:
@@ -412,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedunlearn.scenarios import get_scenario
     from strategies.results import format_summary_table, summary_names
 
-    scenario = get_scenario(data["config"]["scenario"])
+    scenario = get_scenario(data["config"]["scenario.name"])
     if data["metrics"]:
         print(format_summary_table(data["metrics"], summary_names(data["metrics"], scenario)))
     else:

@@ -1,14 +1,14 @@
 """γ sweeps of several server merges on one scenario, and the forgetting–utility frontier.
 
 How each point is obtained: ONE real Flower simulation runs the clients (5 forget + 1 retain
-by default) and saves their uploads; every (strategy, γ) point is then a re-merge of those
+by default) and saves their uploads; every (merge, γ) point is then a re-merge of those
 same uploads followed by the server's evaluation. This is honest for single-round merges:
 clients train from the same θ₀ whatever the server does with their uploads, so a separate
 Flower run per point would produce the same uploads (seeded) and differ only in cost.
 
     python -m simulations.sweep --strategies firm,fulm,ties,sum,avg --run-config "..."
 
-Writes ``points/<strategy>-g<γ>.json``, ``summary.json``, ``summary.md`` and
+Writes ``points/<merge>-g<γ>.json``, ``summary.json``, ``summary.md`` and
 ``frontier.png`` into the output folder.
 """
 
@@ -66,7 +66,7 @@ def point_metrics(run_model: RunModel) -> tuple[str, ...]:
 
 
 def parse_gammas(text: str, strategies: list[str]) -> dict[str, list[float]]:
-    """``"firm=2,4,8 fulm=0.5,1"`` → per-strategy grids (defaults for the others)."""
+    """``"firm=2,4,8 fulm=0.5,1"`` → per-merge grids (defaults for the others)."""
     grids = {s: DEFAULT_GAMMAS.get(s, [0.5, 1.0, 2.0, 4.0]) for s in strategies}
     for part in text.split():
         name, _, values = part.partition("=")
@@ -146,7 +146,7 @@ def run_and_load_uploads(
 
 
 #: run-config keys in which a whole Flower run may differ from the sweep's run and still be a
-#: point of it (the merge and where outputs go); every other key must be equal
+#: point of it (the merge, γ and where outputs go); every other key must be equal
 RUN_POINT_FREE_KEYS = ("merge", "gamma", "output-dir", "save-uploads", "resume")
 
 
@@ -183,7 +183,7 @@ def sweep(
     reuse_run: bool = False,
     runs: tuple[Path, ...] = (),
 ) -> dict[str, Any]:
-    """Run the clients once in Flower, then re-merge and evaluate every (strategy, γ); the
+    """Run the clients once in Flower, then re-merge and evaluate every (merge, γ); the
     whole Flower runs in ``runs`` (results.json files) join as points of their own."""
     output_dir.mkdir(parents=True, exist_ok=True)
     flower = run_and_load_uploads(run_config, output_dir / "flower-run", reuse=reuse_run)
@@ -240,7 +240,11 @@ def sweep(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--strategies", default="firm,fulm,ties,sum,avg")
+    parser.add_argument(
+        "--strategies",
+        default="firm,fulm,ties,sum,avg",
+        help="the merges to sweep (values of the run-config key merge), comma-separated",
+    )
     parser.add_argument("--gammas", default="", help='e.g. "firm=2,4,8 fulm=0.5,1"')
     parser.add_argument("--run-config", default="", help="run-config overrides for the scenario")
     parser.add_argument("--output-dir", type=Path, default=None)

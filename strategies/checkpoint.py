@@ -11,7 +11,7 @@ last finished round:
   the round and a random ``nonce`` that ties the file to its ``state.json``);
 * ``state.json``: the round, the nonce, the weights' sha256, the config fingerprint, the run
   config (without secrets) and ``extra`` — what results.json needs about the finished rounds;
-* ``mpu.secret`` (MPU runs only, permissions 0600): the fresh server secret of a run whose
+* ``mpu-secret`` (MPU runs only, permissions 0600): the fresh server secret of a run whose
   ``mpu.secret`` was empty — so that a resumed run draws the same noise and
   reparameterisations — or, when the secret was given (``mpu.secret-file`` or
   ``$FEDUNLEARN_MPU_SECRET``), only a keyed check value of it (never the secret itself); with
@@ -343,7 +343,7 @@ class RunCheckpoint:
 
         ``explicit`` (read from ``mpu.secret-file``) or ``$env_var`` when set — the folder
         then keeps only a keyed check value, and a restart with another secret is refused;
-        otherwise the fresh secret stored in ``mpu.secret`` (0600) by the first start, or a
+        otherwise the fresh secret stored in the file ``mpu-secret`` (0600) by the first start, or a
         new one (256 random bits, hex-encoded) that is stored there now."""
         given = explicit or os.environ.get(env_var, "")
         stored = self._read_secret_file()

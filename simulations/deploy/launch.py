@@ -16,9 +16,9 @@ Each SuperNode gets its own folder ``certs/nodes/NAME/`` (0700): ``ca.crt`` and 
 pair, nothing else. Private keys are 0600 from creation. ``$FEDUNLEARN_MPU_SECRET``, when
 set, reaches the SuperLink (and so the ServerApp) only, through its environment, never a
 command line; SuperNodes and ``flwr`` commands run without it. The MPU secret is never put in
-a run config: use ``mpu-secret-file`` (a 0600 file) or that variable.
+a run config: use ``mpu.secret-file`` (a 0600 file) or that variable.
 
-    python -m simulations.deploy.launch --run-config "model-path='/abs/ckpt'" \
+    python -m simulations.deploy.launch --run-config "model.path='/abs/ckpt'" \
         --node "role='forget' partition-id=0" --node "role='forget' partition-id=1" \
         --node "role='retain' partition-id=2 data-path='/data/retain'"
 
@@ -450,11 +450,11 @@ class LocalDeployment:
     def run_app(self, run_config: str, output_dir: Path, timeout: float = 3600.0) -> RunOutcome:
         """``flwr run . <connection> --stream``; waits for the run to finish.
 
-        An inline ``mpu-secret`` is refused here: it would be on this command line and in the
-        SuperLink's run record (``mpu-secret-file`` or ``$FEDUNLEARN_MPU_SECRET`` instead).
+        An inline ``mpu.secret`` is refused here: it would be on this command line and in the
+        SuperLink's run record (``mpu.secret-file`` or ``$FEDUNLEARN_MPU_SECRET`` instead).
         """
         pairs = parse_config_pairs(run_config) if run_config else {}
-        check_secret_keys(str(pairs.get("mpu-secret", "")), str(pairs.get("mpu-secret-file", "")))
+        check_secret_keys(str(pairs.get("mpu.secret", "")), str(pairs.get("mpu.secret-file", "")))
         output_dir = Path(output_dir).resolve()
         # the folders once, then the user's keys (a key twice is "invalid format" in Flower)
         overrides = plan_run(run_config, "", output_dir, self.cache_dir).flower_run_config
@@ -656,7 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     from fedunlearn.scenarios import get_scenario
     from strategies.results import format_summary_table
 
-    scenario = get_scenario(data["config"]["scenario"])
+    scenario = get_scenario(data["config"]["scenario.name"])
     print(format_summary_table(data["metrics"], scenario.summary_metrics))
     print(f"\nrun {outcome.run_id}: {outcome.status}\nresults: {outcome.results}")
     return 0
