@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import json
-import os
 import re
-import signal
 import ssl
 import subprocess
 import sys
@@ -44,7 +42,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 from fedunlearn.mpu.keys import DEFAULT_SECRET_ENV_VAR
 from simulations.app_bundle import stage_app
@@ -52,11 +49,13 @@ from simulations.deploy.certificates import (
     DEFAULT_HOSTS,
     DEFAULT_IPS,
     NodeKeys,
+    ServerCertificates,
     make_node_folder,
     make_node_keys,
     make_server_certificates,
 )
-from simulations.deploy.processes import process_alive, process_family
+from simulations.deploy.cli import CONNECTION, DeploymentError, FlwrCli, write_connection
+from simulations.deploy.processes import ProcessGroup
 from simulations.run_local import (
     BIN_DIR,
     REPO_ROOT,
@@ -71,15 +70,10 @@ from simulations.run_local import (
 )
 from strategies.secret_files import check_secret_keys
 
-CONNECTION = "fedunlearn-deploy"
 COMPLETED = "finished:completed"
 LOOPBACK = "127.0.0.1"
 # a SuperLink bound to every interface is dialled here through the loopback interface
 WILDCARD_DIAL = {"0.0.0.0": "127.0.0.1", "::": "::1"}
-
-
-class DeploymentError(RuntimeError):
-    """A deployment step failed; the message says which and where its log is."""
 
 
 @dataclass
@@ -127,14 +121,6 @@ class RunOutcome:
         return self.status == COMPLETED and self.results.is_file()
 
 
-def _json_from(text: str) -> dict:
-    """The JSON object in a ``flwr ... --format json`` output (ignores text around it)."""
-    start = text.find("{")
-    if start < 0:
-        raise ValueError(f"no JSON in {text!r}")
-    return json.JSONDecoder().raw_decode(text[start:])[0]
-
-
 def host_port(host: str, port: int) -> str:
     """``host:port``, with an IPv6 address in brackets."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -154,6 +140,61 @@ def _tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def superlink_command(
+    certs: ServerCertificates, node_auth: bool, bind: str, port: int
+) -> list[str]:
+    """``flower-superlink`` with TLS (and SuperNode authentication), in-memory state."""
+    return [
+        str(BIN_DIR / "flower-superlink"),
+        "--ssl-ca-certfile", str(certs.superlink_ca_cert),
+        "--ssl-certfile", str(certs.server_cert),
+        "--ssl-keyfile", str(certs.server_key),
+        *(["--enable-supernode-auth"] if node_auth else []),
+        "--isolation", "subprocess",
+        "--disable-runtime-dependency-installation",
+        "--host", bind,
+        "--port", str(port),
+        "--database", ":flwr-in-memory:",
+    ]  # fmt: skip
+
+
+def supernode_command(
+    superlink: str, ca_cert: Path, keys: NodeKeys | None, node_config: str
+) -> list[str]:
+    """``flower-supernode`` dialling ``superlink`` over TLS, authenticated by ``keys``."""
+    return [
+        str(BIN_DIR / "flower-supernode"),
+        "--superlink", superlink,
+        "--root-certificates", str(ca_cert),
+        *(["--auth-supernode-private-key", str(keys.private_key)] if keys else []),
+        "--node-config", node_config,
+        "--isolation", "subprocess",
+        "--host", "127.0.0.1",
+        "--port", str(free_port()),
+    ]  # fmt: skip
+
+
+def wait_healthy(
+    superlink: subprocess.Popen, address: str, ca_cert: Path, log_file: Path, timeout: float
+) -> None:
+    """Wait until the SuperLink at ``address`` answers its health check over TLS."""
+    context = ssl.create_default_context(cafile=str(ca_cert))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if superlink.poll() is not None:
+            raise DeploymentError(
+                f"flower-superlink exited with {superlink.returncode}:\n" + _tail(log_file)
+            )
+        try:
+            url = f"https://{address}/health"
+            with urllib.request.urlopen(url, timeout=2, context=context) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise DeploymentError(f"the SuperLink was not healthy within {timeout:.0f} s; see {log_file}")
 
 
 class LocalDeployment:
@@ -202,8 +243,8 @@ class LocalDeployment:
         self.port: int | None = None
         self.superlink: subprocess.Popen | None = None
         self.nodes: list[StartedNode] = []
-        self.started: list[subprocess.Popen] = []
-        self.tracked: dict[int, int] = {}  # pid -> start time of everything seen started
+        self.processes = ProcessGroup()
+        self.flwr = FlwrCli(self.env)
 
     # lifecycle ----------------------------------------------------------------------------
 
@@ -218,133 +259,25 @@ class LocalDeployment:
     ) -> None:
         self.stop()
 
-    def _popen(self, command: list[str], log_name: str, **kwargs: Any) -> subprocess.Popen:
-        log_file = self.logs / log_name
-        with open(log_file, "ab") as log:
-            process = subprocess.Popen(
-                command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **kwargs
-            )
-        self.started.append(process)
-        self.track()
-        return process
-
-    def track(self) -> None:
-        """Remember every process started so far and its descendants (for :meth:`stop`)."""
-        self.tracked.update(process_family([p.pid for p in self.started]))
-
-    def survivors(self) -> list[int]:
-        """PIDs of processes this deployment started (or they started) that still run."""
-        return [pid for pid, start in self.tracked.items() if process_alive(pid, start)]
-
     def stop(self, grace: float = 15.0) -> list[int]:
-        """Stop everything, newest first: SIGTERM, then SIGKILL. Returns the survivors."""
-        self.track()
-        for process in reversed(self.started):
-            stop_process(process, grace=grace)
-        # helpers that left the process group (own sessions, reparented): by PID
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = self.survivors()
-            for pid in alive:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-            deadline = time.monotonic() + (grace if sig == signal.SIGTERM else 5.0)
-            while alive and time.monotonic() < deadline:
-                time.sleep(0.2)
-                alive = self.survivors()
-            if not alive:
-                break
-        return self.survivors()
+        """Stop every process this deployment started (:class:`ProcessGroup`); the survivors."""
+        return self.processes.stop(grace)
 
     # SuperLink ----------------------------------------------------------------------------
 
     def start_superlink(self, timeout: float = 90.0) -> int:
         """Start the SuperLink with TLS (and node auth) on ``bind``; its port once healthy."""
         self.port = free_port()
-        command = [
-            str(BIN_DIR / "flower-superlink"),
-            "--ssl-ca-certfile",
-            str(self.certs.superlink_ca_cert),
-            "--ssl-certfile",
-            str(self.certs.server_cert),
-            "--ssl-keyfile",
-            str(self.certs.server_key),
-            *(["--enable-supernode-auth"] if self.node_auth else []),
-            "--isolation",
-            "subprocess",
-            "--disable-runtime-dependency-installation",
-            "--host",
-            self.bind,
-            "--port",
-            str(self.port),
-            "--database",
-            ":flwr-in-memory:",
-        ]
-        self.superlink = self._popen(
-            command, "superlink.log", env=self.superlink_env, cwd=self.workdir
+        command = superlink_command(self.certs, self.node_auth, self.bind, self.port)
+        log_file = self.logs / "superlink.log"
+        self.superlink = self.processes.popen(
+            command, log_file, env=self.superlink_env, cwd=self.workdir
         )
-        (self.flwr_home / "config.toml").write_text(
-            f'[superlink]\ndefault = "{CONNECTION}"\n\n'
-            f"[superlink.{CONNECTION}]\n"
-            f'address = "{host_port(self.address, self.port)}"\n'
-            f'root-certificates = "{self.certs.ca_cert}"\n'
-        )
-        context = ssl.create_default_context(cafile=str(self.certs.ca_cert))
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.superlink.poll() is not None:
-                raise DeploymentError(
-                    f"flower-superlink exited with {self.superlink.returncode}:\n"
-                    + _tail(self.logs / "superlink.log")
-                )
-            try:
-                url = f"https://{host_port(self.address, self.port)}/health"
-                with urllib.request.urlopen(url, timeout=2, context=context) as response:
-                    if response.status == 200:
-                        self.track()
-                        return self.port
-            except OSError:
-                time.sleep(0.5)
-        raise DeploymentError(
-            f"the SuperLink was not healthy within {timeout:.0f} s; "
-            f"see {self.logs / 'superlink.log'}"
-        )
-
-    def flwr(self, *args: str, timeout: float = 120.0) -> subprocess.CompletedProcess:
-        """Run a ``flwr`` CLI command against this deployment's connection."""
-        return subprocess.run(
-            [str(BIN_DIR / "flwr"), *args],
-            env=self.env,
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            check=False,
-            start_new_session=True,
-        )
-
-    def register(self, keys: NodeKeys, name: str) -> int:
-        """``flwr supernode register``: the SuperLink accepts this public key; its node id."""
-        done = self.flwr(
-            "supernode", "register", str(keys.public_key), CONNECTION, "--name", name,
-            "--format", "json",
-        )  # fmt: skip
-        try:
-            reply = _json_from(done.stdout)
-            return int(reply["node-id"])
-        except (ValueError, KeyError) as err:
-            raise DeploymentError(
-                f"registering {name} failed (exit {done.returncode}): {done.stdout}{done.stderr}"
-            ) from err
-
-    def list_nodes(self) -> list[dict]:
-        """``flwr supernode ls --format json``: the SuperLink's nodes and their status."""
-        done = self.flwr("supernode", "ls", CONNECTION, "--format", "json")
-        try:
-            return list(_json_from(done.stdout).get("nodes", []))
-        except ValueError as err:
-            raise DeploymentError(f"flwr supernode ls failed: {done.stdout}{done.stderr}") from err
+        address = host_port(self.address, self.port)
+        write_connection(self.flwr_home, address, self.certs.ca_cert)
+        wait_healthy(self.superlink, address, self.certs.ca_cert, log_file, timeout)
+        self.processes.track()
+        return self.port
 
     # SuperNodes ---------------------------------------------------------------------------
 
@@ -357,7 +290,7 @@ class LocalDeployment:
         if self.port is None:
             raise DeploymentError("start the SuperLink first")
         keys = make_node_keys(self.node_folder(name), name)
-        node_id = self.register(keys, name) if register and self.node_auth else None
+        node_id = self.flwr.register(keys, name) if register and self.node_auth else None
         return keys, node_id
 
     def start_node(
@@ -382,24 +315,11 @@ class LocalDeployment:
         home.mkdir(parents=True, exist_ok=True)
         # the folder its credentials were made in (they may have been made under another name)
         folder = keys.private_key.parent if keys is not None else self.node_folder(spec.name)
-        command = [
-            str(BIN_DIR / "flower-supernode"),
-            "--superlink",
-            host_port(self.address, self.port),
-            "--root-certificates",
-            str(folder / "ca.crt"),
-            *(["--auth-supernode-private-key", str(keys.private_key)] if keys else []),
-            "--node-config",
-            spec.node_config,
-            "--isolation",
-            "subprocess",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(free_port()),
-        ]
+        superlink = host_port(self.address, self.port)
+        command = supernode_command(superlink, folder / "ca.crt", keys, spec.node_config)
         log_name = f"supernode-{spec.name}.log"
-        process = self._popen(command, log_name, env=dict(self.env, FLWR_HOME=str(home)), cwd=home)
+        env = dict(self.env, FLWR_HOME=str(home))
+        process = self.processes.popen(command, self.logs / log_name, env=env, cwd=home)
         node = StartedNode(spec, process, self.logs / log_name, keys, node_id, folder)
         self.nodes.append(node)
         return node
@@ -417,8 +337,9 @@ class LocalDeployment:
                         f"SuperNode {node.spec.name} exited with {node.process.returncode}:\n"
                         + _tail(node.log_file)
                     )
-            online = {int(n["node-id"]) for n in self.list_nodes() if n.get("status") == "online"}
-            self.track()
+            nodes_now = self.flwr.list_nodes()
+            online = {int(n["node-id"]) for n in nodes_now if n.get("status") == "online"}
+            self.processes.track()
             if wanted <= online and len(online) >= count:
                 return
             if time.monotonic() > deadline:
@@ -429,23 +350,6 @@ class LocalDeployment:
             time.sleep(1.0)
 
     # runs ---------------------------------------------------------------------------------
-
-    def run_status(self, run_id: int) -> str:
-        """``flwr ls --run-id``: e.g. ``running`` or ``finished:completed``."""
-        done = self.flwr("ls", CONNECTION, "--run-id", str(run_id), "--format", "json")
-        try:
-            runs = _json_from(done.stdout).get("runs", [])
-        except ValueError:
-            return "unknown"
-        return str(runs[0]["status"]) if runs else "unknown"
-
-    def run_ids(self) -> list[int]:
-        """Ids of all runs this SuperLink has seen."""
-        done = self.flwr("ls", CONNECTION, "--format", "json")
-        try:
-            return [int(r["run-id"]) for r in _json_from(done.stdout).get("runs", [])]
-        except ValueError:
-            return []
 
     def run_app(self, run_config: str, output_dir: Path, timeout: float = 3600.0) -> RunOutcome:
         """``flwr run . <connection> --stream``; waits for the run to finish.
@@ -463,57 +367,77 @@ class LocalDeployment:
             CONNECTION, "--stream",
             "--run-config", overrides,
         ]  # fmt: skip
-        process = subprocess.Popen(
-            command,
-            env=self.env,
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            errors="replace",
-            start_new_session=True,
+        process = self.processes.adopt(
+            subprocess.Popen(
+                command,
+                env=self.env,
+                cwd=REPO_ROOT,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                errors="replace",
+                start_new_session=True,
+            )
         )
-        self.started.append(process)
-        lines: list[str] = []
-        run_id: list[int] = []
-
-        def read() -> None:
-            assert process.stdout is not None
-            with open(self.logs / "flwr-run.log", "a") as log:
-                for line in process.stdout:
-                    lines.append(line.rstrip("\n"))
-                    log.write(line)
-                    log.flush()
-                    if self.echo:
-                        print(line, end="", flush=True)
-                    match = re.search(r"started run (\d+)", line)
-                    if match and not run_id:
-                        run_id.append(int(match.group(1)))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
+        stream = RunStream(process, self.logs / "flwr-run.log", self.echo)
         deadline = time.monotonic() + timeout
         while process.poll() is None and time.monotonic() < deadline:
-            self.track()
+            self.processes.track()
             time.sleep(1.0)
         timed_out = process.poll() is None
         if timed_out:
-            if run_id:
-                self.flwr("stop", str(run_id[0]), CONNECTION)
+            if stream.run_id is not None:
+                self.flwr.stop_run(stream.run_id)
             stop_process(process)
-        reader.join(timeout=10)
-        rid = run_id[0] if run_id else next(iter(self.run_ids()), None)
-        status = "unknown"
-        if rid is not None:  # the stream ends with the run; its status may lag a moment
-            for _ in range(30):
-                status = self.run_status(rid)
-                if status.startswith("finished"):
-                    break
-                time.sleep(1.0)
-        outcome = RunOutcome(rid, status, output_dir / "results.json", process.returncode, lines)
+        stream.join()
+        rid = stream.run_id if stream.run_id is not None else next(iter(self.flwr.run_ids()), None)
+        status = self._final_status(rid)
+        results = output_dir / "results.json"
+        outcome = RunOutcome(rid, status, results, process.returncode, stream.lines)
         if timed_out:
             raise DeploymentError(f"run {rid} did not finish within {timeout:.0f} s ({status})")
         return outcome
+
+    def _final_status(self, run_id: int | None) -> str:
+        """The run's status once finished (the stream ends with the run; its status may lag
+        a moment), or the last status seen within 30 s."""
+        status = "unknown"
+        if run_id is not None:
+            for _ in range(30):
+                status = self.flwr.run_status(run_id)
+                if status.startswith("finished"):
+                    break
+                time.sleep(1.0)
+        return status
+
+
+class RunStream:
+    """``flwr run --stream``'s output read in a thread: kept, logged, echoed, and the run id
+    taken from its "started run N" line."""
+
+    def __init__(self, process: subprocess.Popen, log_file: Path, echo: bool) -> None:
+        self.lines: list[str] = []
+        self.run_id: int | None = None
+        self._thread = threading.Thread(
+            target=self._read, args=(process, log_file, echo), daemon=True
+        )
+        self._thread.start()
+
+    def _read(self, process: subprocess.Popen, log_file: Path, echo: bool) -> None:
+        assert process.stdout is not None
+        with open(log_file, "a") as log:
+            for line in process.stdout:
+                self.lines.append(line.rstrip("\n"))
+                log.write(line)
+                log.flush()
+                if echo:
+                    print(line, end="", flush=True)
+                match = re.search(r"started run (\d+)", line)
+                if match and self.run_id is None:
+                    self.run_id = int(match.group(1))
+
+    def join(self, timeout: float = 10.0) -> None:
+        self._thread.join(timeout=timeout)
 
 
 def default_node_specs(run_config: str) -> list[NodeSpec]:

@@ -42,8 +42,9 @@ from strategies.secret_files import write_private_file
 pytestmark = pytest.mark.slow
 
 SMALL_RUN = (
-    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
-    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+    "scenario.num-authors=20 scenario.retain-samples=20 scenario.num-forget-clients=2 "
+    "eval.retain-samples=20 eval.max-new-tokens=8 lora.rank=4 lora.alpha=8.0 "
+    "training.forget-steps=3 training.retain-steps=3"
 )
 # flower-supernode exits with status 1 and logs Flower's exit code 305 when refused
 REFUSED = "Exit Code: 305"
@@ -117,7 +118,7 @@ def test_supernodes_without_valid_credentials_are_refused(deployment, federation
     ]
     assert any(pem in line for line in refusals), refusals
     # only the registered nodes are known, and they are online
-    nodes = {int(n["node-id"]): n["status"] for n in deployment.list_nodes()}
+    nodes = {int(n["node-id"]): n["status"] for n in deployment.flwr.list_nodes()}
     assert nodes == {m.node_id: "online" for m in members.values()}
 
 
@@ -165,7 +166,7 @@ def test_superlink_speaks_tls_only(deployment, federation):
 def test_firm_run_takes_roles_from_node_config(deployment, federation, tiny_checkpoint, tmp_path):
     members, _ = federation
     outcome = deployment.run_app(
-        f"model-path='{tiny_checkpoint}' {SMALL_RUN}", tmp_path / "out", timeout=240
+        f"model.path='{tiny_checkpoint}' {SMALL_RUN}", tmp_path / "out", timeout=240
     )
     assert outcome.status == COMPLETED, "\n".join(outcome.output[-40:])
     assert outcome.results.is_file() and outcome.ok
@@ -182,7 +183,7 @@ def test_firm_run_takes_roles_from_node_config(deployment, federation, tiny_chec
     ]
     assert results["merge"]["norm_final"] > 0
     # the run went through the registered nodes only
-    nodes = {int(n["node-id"]) for n in deployment.list_nodes()}
+    nodes = {int(n["node-id"]) for n in deployment.flwr.list_nodes()}
     assert nodes == set(declared)
 
 
@@ -226,7 +227,7 @@ def test_superlink_listens_on_loopback_only(deployment, federation):
     superlink = deployment.superlink.pid
     assert listening([superlink]) == {("127.0.0.1", deployment.port)}
     # nothing this deployment started listens beyond loopback (SuperNodes' ClientApp APIs)
-    everything = listening(deployment.tracked)
+    everything = listening(deployment.processes.tracked)
     assert len(everything) > 1 and {ip for ip, _ in everything} == {"127.0.0.1"}
 
 
@@ -313,7 +314,7 @@ def test_mpu_secret_is_on_no_command_line_and_in_no_run_record(
     secret_file = write_private_file(tmp_path / "mpu-secret", file_secret.encode())
     out = tmp_path / "out"
     run_config = (
-        f"model-path='{tiny_checkpoint}' strategy='mpu' mpu-secret-file='{secret_file}' {SMALL_RUN}"
+        f"model.path='{tiny_checkpoint}' wrapper='mpu' mpu.secret-file='{secret_file}' {SMALL_RUN}"
     )
     with CommandLineWatch() as watch:
         outcome = deployment.run_app(run_config, out, timeout=300)
@@ -326,7 +327,7 @@ def test_mpu_secret_is_on_no_command_line_and_in_no_run_record(
     leaks = [c for c in watch.seen if file_secret in c or ENV_SECRET in c]
     assert leaks == []
     records = _run_records(deployment)
-    assert b"mpu-secret-file" in records
+    assert b"mpu.secret-file" in records
     assert file_secret.encode() not in records and ENV_SECRET.encode() not in records
     assert file_secret not in outcome.results.read_text()
     # the run used the file's secret (the file wins over the variable) ...
@@ -431,23 +432,25 @@ def test_node_auth_does_not_guard_the_control_api(deployment, federation, tmp_pa
     keys = make_node_keys(home / "keys", "outsider")
     done = flwr("supernode", "register", str(keys.public_key), "them", "--format", "json")
     node_id = int(json.loads(done.stdout[done.stdout.index("{") :])["node-id"])
-    listed = {int(n["node-id"]): n["status"] for n in deployment.list_nodes()}
+    listed = {int(n["node-id"]): n["status"] for n in deployment.flwr.list_nodes()}
     assert listed[node_id] == "registered"
     done = flwr("ls", "them", "--format", "json")
     runs = {int(r["run-id"]) for r in json.loads(done.stdout[done.stdout.index("{") :])["runs"]}
-    assert runs == set(deployment.run_ids()) and runs
+    assert runs == set(deployment.flwr.run_ids()) and runs
     assert ListRunsResponse.FromString(_run_records(deployment)).run_dict  # without ca.crt
     done = flwr("supernode", "unregister", str(node_id), "them")
     assert done.returncode == 0, done.stdout + done.stderr
-    listed = {int(n["node-id"]): n["status"] for n in deployment.list_nodes()}
+    listed = {int(n["node-id"]): n["status"] for n in deployment.flwr.list_nodes()}
     assert listed.get(node_id, "unregistered") == "unregistered"
 
 
 def test_stop_leaves_no_process_behind(deployment, federation):
-    started = [p.pid for p in deployment.started]
-    assert len(deployment.tracked) > len(started)  # helpers (superexec, apps) were tracked
+    started = [p.pid for p in deployment.processes.started]
+    assert len(deployment.processes.tracked) > len(
+        started
+    )  # helpers (superexec, apps) were tracked
     assert deployment.stop() == []
-    assert all(p.poll() is not None for p in deployment.started)
+    assert all(p.poll() is not None for p in deployment.processes.started)
     context = ssl.create_default_context(cafile=deployment.certs.ca_cert)
     with pytest.raises(urllib.error.URLError) as err:
         url = f"https://127.0.0.1:{deployment.port}/health"

@@ -123,11 +123,11 @@ def test_the_mpu_secret_variable_reaches_the_superlink_only(tmp_path, monkeypatc
 def test_inline_mpu_secret_is_refused_before_anything_starts(tmp_path):
     deployment = LocalDeployment(tmp_path, echo=False)
     deployment.port = 1  # as if started: the refusal must come before any process
-    with pytest.raises(ValueError, match="'mpu-secret' is refused.*mpu-secret-file"):
-        deployment.run_app("strategy='mpu' mpu-secret='do-not-leak-4711'", tmp_path / "out")
+    with pytest.raises(ValueError, match="'mpu.secret' is refused.*mpu.secret-file"):
+        deployment.run_app("wrapper='mpu' mpu.secret='do-not-leak-4711'", tmp_path / "out")
     loose = tmp_path / "secret"
     loose.write_text("s3cret")
     loose.chmod(0o644)
     with pytest.raises(ValueError, match="has mode 0644"):
-        deployment.run_app(f"strategy='mpu' mpu-secret-file='{loose}'", tmp_path / "out")
-    assert deployment.started == []
+        deployment.run_app(f"wrapper='mpu' mpu.secret-file='{loose}'", tmp_path / "out")
+    assert deployment.processes.started == []
