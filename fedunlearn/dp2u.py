@@ -130,7 +130,7 @@ def data_shards(
     """
     authors = data.author_names
     if not 1 <= num_clients <= len(authors):
-        raise ValueError(f"dp2u-clients must be in [1, {len(authors)}], got {num_clients}")
+        raise ValueError(f"dp2u.clients must be in [1, {len(authors)}], got {num_clients}")
     forget_authors = set(data.forget_authors(forget_percent))
     by_author = _records_by_author(data)
     bounds = [round(k * len(authors) / num_clients) for k in range(num_clients + 1)]

@@ -5,7 +5,7 @@ Sent dense in float32 that is 8 bytes per weight entry; this module encodes each
 pair more compactly as a flat ``{part name: tensor}`` dict (what a Flower ArrayRecord or a
 safetensors file holds) and decodes it back to dense tensors one weight at a time.
 
-Task-vector forms (``task-vector-upload``):
+Task-vector forms (``upload.task-vector``):
 
 * ``dense``: ``<key>`` holds Δθ itself;
 * ``factors``: a LoRA adapter's ``<key>::lora_B`` (d_out × r), ``<key>::lora_A`` (r × d_in)
@@ -13,7 +13,7 @@ Task-vector forms (``task-vector-upload``):
   the adapter's delta weight, so the dense tensor is bit-for-bit the one a dense upload holds
   (float32 on the CPU). r·(d_in + d_out) numbers instead of d_in·d_out.
 
-Fisher forms (``fisher-upload``):
+Fisher forms (``upload.fisher``):
 
 * ``dense``: ``<key>`` holds F̂ in float32;
 * ``bf16``: ``<key>::bf16`` holds F̂ rounded to bfloat16, as its 16-bit patterns (Flower's
@@ -133,7 +133,7 @@ def encode_task_vector(
     are always sent dense. ``dense`` turns factors into their dense float32 product.
     """
     if form not in TASK_VECTOR_UPLOADS:
-        raise ValueError(f"task-vector-upload must be one of {TASK_VECTOR_UPLOADS}, got {form!r}")
+        raise ValueError(f"upload.task-vector must be one of {TASK_VECTOR_UPLOADS}, got {form!r}")
     parts: dict[str, torch.Tensor] = {}
     for key, value in task_vector.items():
         if isinstance(value, LowRankDelta) and form == "factors":
@@ -213,9 +213,9 @@ def encode_fisher(
     """Flat parts of a Fisher diagonal in ``form`` (``dense``, ``bf16`` or ``topk``); ``topk``
     keeps the top ``fraction`` α' of each tensor's entries (ties at the threshold kept)."""
     if form not in FISHER_UPLOADS:
-        raise ValueError(f"fisher-upload must be one of {FISHER_UPLOADS}, got {form!r}")
+        raise ValueError(f"upload.fisher must be one of {FISHER_UPLOADS}, got {form!r}")
     if form == "topk" and not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fisher-upload-fraction must be in (0, 1], got {fraction}")
+        raise ValueError(f"upload.fisher-fraction must be in (0, 1], got {fraction}")
     parts: dict[str, torch.Tensor] = {}
     for key, value in fisher.items():
         f = value.float()

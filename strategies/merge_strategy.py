@@ -165,7 +165,7 @@ class MergeStrategy(Strategy):
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
         self.node_wait_timeout = node_wait_timeout
         if not math.isfinite(server_lr):
-            raise ValueError(f"server-lr must be a finite number, got {server_lr}")
+            raise ValueError(f"mpu.server-lr must be a finite number, got {server_lr}")
         self.server_lr = float(server_lr)
         if min_replies < 0 or max_upload_mb < 0:
             raise ValueError("server.min-replies and server.max-upload-mb must be >= 0")

@@ -52,7 +52,7 @@ def bound_task_vector_norms(
 
     Args:
         updates: the round's valid client updates.
-        bound: multiple of the median norm (``robust-norm-bound``); 0 turns the option off,
+        bound: multiple of the median norm (``server.robust-norm-bound``); 0 turns the option off,
             otherwise at least 1 (a bound below 1 would shrink the median client itself).
 
     Returns:
@@ -61,7 +61,7 @@ def bound_task_vector_norms(
         ``limit / norm``, Fisher unchanged) and a report ``{str(node_id): {"norm", "median",
         "norm_scale"}}`` for every client (``norm_scale`` = 1.0 when untouched).
     """
-    bound = check_ratio("robust-norm-bound", bound)
+    bound = check_ratio("server.robust-norm-bound", bound)
     if bound == 0.0:
         return list(updates), {}
     norms = [update_norm(u) for u in updates]
@@ -98,7 +98,7 @@ def cap_fisher_mass(
 
     Args:
         updates: the round's valid client updates (clients without Fisher pass unchanged).
-        cap: multiple of the median mass (``fisher-cap``); 0 turns the option off, otherwise
+        cap: multiple of the median mass (``server.fisher-cap``); 0 turns the option off, otherwise
             at least 1.
 
     Returns:
@@ -106,7 +106,7 @@ def cap_fisher_mass(
         and a report ``{str(node_id): {"fisher_scaled_tensors": int, "fisher_min_scale":
         float}}`` for every client with a Fisher.
     """
-    cap = check_ratio("fisher-cap", cap)
+    cap = check_ratio("server.fisher-cap", cap)
     if cap == 0.0:
         return list(updates), {}
     with_fisher = [u for u in updates if u.fisher is not None]

@@ -8,12 +8,12 @@ rescale, so a round that passes merges bit for bit as without them):
   castable to float32 and every sum of squares over a model (up to 1e14 entries) finite, so a
   float64 1e300 or a float32 3e38 upload cannot overflow a merge.
 * :func:`norm_outliers` — a client whose task-vector norm is above ``ratio ×`` the median norm
-  of its role's clients is excluded (``client-norm-ratio``). The median needs an honest
+  of its role's clients is excluded (``server.client-norm-ratio``). The median needs an honest
   majority: a role with fewer than :data:`MIN_CLIENTS_FOR_MEDIAN` valid clients, or whose
   median norm is 0, is not checked (the magnitude bound and the merged-update check still are).
 * :func:`merged_update_problem` / :func:`nonfinite_problem` — the merged update must be finite
   and its norm at most ``max_ratio ×`` the norm of the weights it changes
-  (``max-update-ratio``; 0 turns the ratio off, never the finiteness check); the new weights
+  (``server.max-update-ratio``; 0 turns the ratio off, never the finiteness check); the new weights
   must be finite.
 """
 
@@ -33,10 +33,10 @@ MAX_ABS_VALUE = 1e12
 #: Fewest valid clients of a role for which the median norm is trusted.
 MIN_CLIENTS_FOR_MEDIAN = 3
 
-#: ``client-norm-ratio`` default: a task vector 100× its role's median norm is no honest one.
+#: ``server.client-norm-ratio`` default: a task vector 100× its role's median norm is no honest one.
 DEFAULT_CLIENT_NORM_RATIO = 100.0
 
-#: ``max-update-ratio`` default: an update 100× the norm of the weights it changes replaces
+#: ``server.max-update-ratio`` default: an update 100× the norm of the weights it changes replaces
 #: them by noise. Honest rounds measured (``merge.update_ratio`` in results.json): LoRA, 3
 #: steps, FIRM under MPU: 0.1; full fine-tuning of a tiny random model, 3 steps, ``sum`` of 2
 #: forget clients: 1.8 — longer full fine-tuning can go well past 10, hence the margin.
@@ -77,14 +77,14 @@ def norm_outliers(
 
     Args:
         updates: the round's valid updates.
-        ratio: ``client-norm-ratio`` (0 = off, else >= 1).
+        ratio: ``server.client-norm-ratio`` (0 = off, else >= 1).
 
     Returns:
         ``({node_id: problem}, {node_id: norm})`` — the problem of every outlier (empty when
         none) and every client's norm (empty when the check is off). Roles with fewer than
         :data:`MIN_CLIENTS_FOR_MEDIAN` clients, or a median norm of 0, are not checked.
     """
-    ratio = check_ratio("client-norm-ratio", ratio)
+    ratio = check_ratio("server.client-norm-ratio", ratio)
     if ratio == 0.0:
         return {}, {}
     norms = {u.node_id: tensors_norm(u.task_vector.values()) for u in updates}
@@ -99,7 +99,7 @@ def norm_outliers(
         for node in members:
             if norms[node] > ratio * median:
                 problems[node] = (
-                    f"task-vector norm {norms[node]:.4g} is more than client-norm-ratio "
+                    f"task-vector norm {norms[node]:.4g} is more than server.client-norm-ratio "
                     f"({ratio:g}) × the median norm {median:.4g} of the {len(members)} {role} "
                     "clients"
                 )
@@ -126,7 +126,7 @@ def merged_update_problem(
     if max_ratio > 0.0 and ratio > max_ratio:
         return (
             f"the merged update's norm {update_norm:.4g} is {ratio:.4g}× the norm "
-            f"{weights_norm:.4g} of the weights it changes, above max-update-ratio "
+            f"{weights_norm:.4g} of the weights it changes, above server.max-update-ratio "
             f"({max_ratio:g})",
             ratio,
         )

@@ -86,10 +86,10 @@ def load_local_causal_lm(
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"model-path {str(folder)!r} is not a folder")
+        raise FileNotFoundError(f"model.path {str(folder)!r} is not a folder")
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
-            f"model-path {str(folder)!r} has no config.json: not a Hugging Face checkpoint"
+            f"model.path {str(folder)!r} has no config.json: not a Hugging Face checkpoint"
         )
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

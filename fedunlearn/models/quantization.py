@@ -45,7 +45,9 @@ def quantize_4bit(
     the install hint when bitsandbytes is missing.
     """
     if not bitsandbytes_available():
-        raise ImportError("load-in-4bit needs bitsandbytes: pip install 'fedunlearn[quantization]'")
+        raise ImportError(
+            "model.load-in-4bit needs bitsandbytes: pip install 'fedunlearn[quantization]'"
+        )
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if compute_dtype is None:
         compute_dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -140,7 +140,7 @@ class UnsupportedArchitectureError(ValueError):
         super().__init__(
             f"MPU cannot reparameterise this {model_type!r} model without changing its outputs "
             f"(refused before any copy is published):\n  - {listed}\n"
-            "Use mpu-mode=clean or noised (no reparameterisation), or an architecture listed "
+            "Use mpu.mode=clean or noised (no reparameterisation), or an architecture listed "
             "under 'Supported architectures' in docs/mpu.md."
         )
 
@@ -180,7 +180,7 @@ class ReparamPlan:
                 "each channel separately: only the angles 0 and π commute with them"
             )
         if not self.permute_groups:
-            out["kv-group-permutation"] = "mpu-permute-groups=false"
+            out["kv-group-permutation"] = "mpu.permute-groups=false"
         return out
 
     @property

@@ -92,7 +92,7 @@ class Scenario(ABC):
 
     @classmethod
     def default_lora_layers(cls, num_hidden_layers: int, rmu_layer: int) -> str:
-        """``lora-layers`` when left on "auto", for a model of this depth ("all" or indices)."""
+        """``lora.layers`` when left on "auto", for a model of this depth ("all" or indices)."""
         return "all"
 
     def __init__(self, params: ScenarioParams) -> None:

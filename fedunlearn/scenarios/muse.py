@@ -1,7 +1,7 @@
 """The MUSE scenario: forget clients hold the forget texts (and the QA the model was trained
 on about them), retain clients the retain texts and QA; GA by default (SPEC §5.3).
 
-Generated data: fictional books. Real files (``data-path``, a pretrained model): the
+Generated data: fictional books. Real files (``scenario.data-path``, a pretrained model): the
 CPU-sized :func:`~fedunlearn.benchmarks.muse_files.muse_subset` of the published lists
 (``subset_texts`` items of each: VerbMem excerpts, PrivLeak texts, KnowMem QA).
 """

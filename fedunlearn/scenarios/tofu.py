@@ -65,7 +65,7 @@ def _forget_clients(
         if len(rows) < len(clients):
             raise ValueError(
                 f"forget domain {domain} has {len(rows)} QA, fewer than its {len(clients)} "
-                "clients (raise forget-percent or lower num-forget-clients)"
+                "clients (raise scenario.forget-percent or lower scenario.num-forget-clients)"
             )
         for shard in split_contiguous(rows, len(clients)):
             out.append(ClientAssignment("forget", domain, tuple(shard)))
@@ -173,8 +173,9 @@ def _tofu_data(
 
 @register_scenario("tofu")
 class TofuScenario(Scenario):
-    """Fictitious authors (TOFU): forget the last ``forget-percent`` % of the authors with GA;
-    metrics of SPEC §5.1 (forget quality against the retain-only reference, model utility)."""
+    """Fictitious authors (TOFU): forget the last ``scenario.forget-percent`` % of the authors
+    with GA; metrics of SPEC §5.1 (forget quality against the retain-only reference, model
+    utility)."""
 
     defaults = {
         "objective.name": "ga",
@@ -259,7 +260,8 @@ class TofuScenario(Scenario):
         """Forget split, a seeded retain sample, and the two never-forgotten sets.
 
         ``forget_indices`` (indices into the author QA, e.g. a named forget request) replace
-        the forget-percent split: forget = those records in dataset order, retain = the rest.
+        the scenario.forget-percent split: forget = those records in dataset order, retain =
+        the rest.
         """
         if forget_indices is None:
             forget = self.data.forget_split(self.params.forget_percent)
@@ -318,7 +320,7 @@ class TofuScenario(Scenario):
     def holdout_records(self) -> list[dict[str, Any]]:
         """QA of as many never-trained authors as the forget split has (at least 2): a
         second generated benchmark (another seed stream) minus any name the data holds.
-        Empty with real files (``data-path``), whose published splits have no holdout."""
+        Empty with real files (``scenario.data-path``), whose published splits have no holdout."""
         if self.params.data_path:
             return []
         forget = self.data.forget_authors(self.params.forget_percent)

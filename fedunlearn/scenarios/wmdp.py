@@ -37,9 +37,9 @@ MAX_CORPUS_DOCUMENTS = 2000
 
 @functools.lru_cache(maxsize=4)
 def _wmdp_data(seed: int, data_path: str) -> WmdpData:
-    """Generated data, or the real files: ``<data-path>`` holds the ``wmdp-<domain>`` question
-    files and the corpora, ``<data-path>/mmlu`` (when present) an MMLU copy for the general
-    questions."""
+    """Generated data, or the real files: ``<scenario.data-path>`` holds the ``wmdp-<domain>``
+    question files and the corpora, ``<scenario.data-path>/mmlu`` (when present) an MMLU copy
+    for the general questions."""
     if not data_path:
         return generate_wmdp(seed)
     mmlu = Path(data_path) / "mmlu"
@@ -54,8 +54,8 @@ def _wmdp_data(seed: int, data_path: str) -> WmdpData:
 class WmdpScenario(Scenario):
     """Fictitious hazard domains (``bio``, ``cyber``, ``chem``) as four-option questions.
 
-    ``forget-domains`` chooses the domains to remove (default ``bio,cyber``; ``chem`` stays as
-    a never-forgotten hazard domain, or joins as a third forget domain). The forget clients are
+    ``scenario.forget-domains`` chooses the domains to remove (default ``bio,cyber``; ``chem``
+    stays as a never-forgotten hazard domain, or joins as a third forget domain). The forget clients are
     split evenly over the forget domains in that order; within a domain each client holds the
     documents of a contiguous run of entities, so shards are disjoint and no entity is split.
     """
@@ -93,8 +93,8 @@ class WmdpScenario(Scenario):
         unknown = [d for d in self.forget_domains if d not in self.data.domains]
         if not self.forget_domains or unknown:
             raise ValueError(
-                f"forget-domains {params.forget_domains!r} must name hazard domains of the "
-                f"data: {', '.join(self.data.domains)}"
+                f"scenario.forget-domains {params.forget_domains!r} must name hazard domains of "
+                f"the data: {', '.join(self.data.domains)}"
             )
 
     def records(self) -> list[dict[str, Any]]:
@@ -105,7 +105,7 @@ class WmdpScenario(Scenario):
         p = self.params
         if p.num_forget_clients < len(self.forget_domains):
             raise ValueError(
-                f"num-forget-clients={p.num_forget_clients} is fewer than the "
+                f"scenario.num-forget-clients={p.num_forget_clients} is fewer than the "
                 f"{len(self.forget_domains)} forget domains"
             )
         clients = []
@@ -162,7 +162,7 @@ class WmdpScenario(Scenario):
         n_samples: int = 3,
     ) -> dict[str, Any]:
         """Accuracy per hazard domain, ``forget_accuracy`` (mean over the forget domains),
-        ``general_accuracy`` on a seeded sample of ``eval-retain-samples`` general questions."""
+        ``general_accuracy`` on a seeded sample of ``eval.retain-samples`` general questions."""
         metrics = evaluate_wmdp(
             model,
             tokenizer,

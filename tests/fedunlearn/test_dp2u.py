@@ -33,7 +33,7 @@ def test_shards_hold_whole_authors_and_mark_the_forget_request(data):
     assert len(forget) == 2 * 4 and shards[-1].forget and not shards[0].forget
     for shard in shards:
         assert set(shard.retained) == set(shard.indices) - set(shard.forget)
-    with pytest.raises(ValueError, match="dp2u-clients"):
+    with pytest.raises(ValueError, match="dp2u.clients"):
         data_shards(data, num_clients=0, forget_percent=10.0)
 
 

@@ -49,7 +49,7 @@ def test_unchanged_weights_are_not_counted_and_missing_ones_are_refused():
 
 
 def test_dense_run_config_replaces_the_upload_keys():
-    config = "gamma=2.0 fisher-upload='bf16' stream-uploads=true seed=3"
+    config = "gamma=2.0 upload.fisher='bf16' upload.stream=true seed=3"
     dense = with_overrides(config, DENSE_OVERRIDES)
     assert dense == f"gamma=2.0 seed=3 {DENSE_OVERRIDES}"
 

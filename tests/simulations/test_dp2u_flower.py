@@ -1,4 +1,4 @@
-"""strategy=dp2u in real Flower simulations: DP base, deployed and unlearned models, baselines."""
+"""pipeline=dp2u in real Flower simulations: DP base, deployed and unlearned models, baselines."""
 
 import json
 import math
@@ -13,15 +13,15 @@ from simulations import run_local
 pytestmark = pytest.mark.slow
 
 SMALL = (
-    "num-authors=20 dp2u-clients=2 forget-percent=10.0 dp2u-dp-rounds=2 "
-    "dp2u-finetune-rounds=2 dp2u-retrain-rounds=3 dp2u-dp-batch-size=16 "
-    "eval-retain-samples=20 eval-max-new-tokens=8 forget-steps=3"
+    "scenario.num-authors=20 dp2u.clients=2 scenario.forget-percent=10.0 dp2u.dp-rounds=2 "
+    "dp2u.finetune-rounds=2 dp2u.retrain-rounds=3 dp2u.dp-batch-size=16 "
+    "eval.retain-samples=20 eval.max-new-tokens=8 training.forget-steps=3"
 )
 
 
 def _run(tmp_path, checkpoint, options):
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' strategy='dp2u' {options} {SMALL}",
+        run_config=f"model.path='{checkpoint}' pipeline='dp2u' {options} {SMALL}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
         cache_dir=tmp_path / "cache",
@@ -30,7 +30,7 @@ def _run(tmp_path, checkpoint, options):
 
 
 def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path, tiny_checkpoint):
-    results = _run(tmp_path, tiny_checkpoint, "dp2u-method='dp2u-sgd' dp2u-epsilon=2.0")
+    results = _run(tmp_path, tiny_checkpoint, "dp2u.method='dp2u-sgd' dp2u.epsilon=2.0")
     dp = results["dp2u"]
     privacy = dp["privacy"]
     rounds = privacy["epsilon_per_round"]
@@ -76,7 +76,7 @@ def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(tmp_path
     results = _run(
         tmp_path,
         tiny_checkpoint,
-        f"dp2u-method='graddiff' dp2u-forget-request='{tmp_path / 'request.json'}'",
+        f"dp2u.method='graddiff' dp2u.forget-request='{tmp_path / 'request.json'}'",
     )
     dp = results["dp2u"]
     assert dp["privacy"] == {"mechanism": "none"}
@@ -101,7 +101,7 @@ def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(tmp_path, tin
     results = _run(
         tmp_path,
         tiny_checkpoint,
-        "dp2u-method='dp2u-mlm' dp2u-epsilon=1.0 dp2u-mlm-sensitive-only=true",
+        "dp2u.method='dp2u-mlm' dp2u.epsilon=1.0 dp2u.mlm-sensitive-only=true",
     )
     dp = results["dp2u"]
     privacy = dp["privacy"]

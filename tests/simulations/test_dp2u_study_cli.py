@@ -10,7 +10,7 @@ from simulations.dp2u_study import _lr_map, _lr_override, study_markdown
 def test_dp_lr_by_epsilon_applies_to_dp_sgd_cells_only():
     lrs = _lr_map("1:0.05,10:0.2")
     assert lrs == {1.0: 0.05, 10.0: 0.2}
-    assert _lr_override("dp2u-sgd", 10.0, lrs) == (" dp2u-dp-lr=0.2", "-lr0.2")
+    assert _lr_override("dp2u-sgd", 10.0, lrs) == (" dp2u.dp-lr=0.2", "-lr0.2")
     assert _lr_override("dp2u-sgd", 25.0, lrs) == ("", "")  # not listed: the run config's
     assert _lr_override("dp2u-mlm", 10.0, lrs) == ("", "")  # DP-MLM has no DP-SGD stage
     for bad in ("1=0.05", "1:0.05:3", "1:-0.1", "0:0.1"):

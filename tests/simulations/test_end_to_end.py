@@ -112,8 +112,8 @@ def test_forgot_the_forget_authors_and_kept_the_rest(results):
 
 
 SMALL_RUN = (
-    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
-    "eval-max-new-tokens=8"
+    "scenario.num-authors=20 scenario.retain-samples=20 eval.retain-samples=20 "
+    "eval.max-new-tokens=8 lora.rank=4 lora.alpha=8.0"
 )
 
 
@@ -124,21 +124,21 @@ def checkpoint(tmp_path, tiny_model, tiny_tokenizer):
     return tmp_path / "ckpt"
 
 
-@pytest.mark.parametrize("strategy", ["ties", "fulm-mean"])
-def test_baseline_merges_through_flower(tmp_path, checkpoint, strategy):
-    """strategy= selects a baseline merge in a real simulation (FIRM: the tests above; SUM in
+@pytest.mark.parametrize("merge", ["ties", "fulm-mean"])
+def test_baseline_merges_through_flower(tmp_path, checkpoint, merge):
+    """merge= selects a baseline merge in a real simulation (FIRM: the tests above; SUM in
     test_studies and test_mpu_flower, FULM inside MPU there; every registered name resolves
     through the same registry, tested in tests/strategies/test_merge_plugins.py)."""
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' strategy='{strategy}' {SMALL_RUN}",
+        run_config=f"model.path='{checkpoint}' merge='{merge}' {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )
     results = json.loads(path.read_text())
-    assert results["merge"]["method"] == strategy
+    assert results["merge"]["method"] == merge
     assert results["merge"]["norm_final"] > 0
     assert len(results["merge"]["tensors"]) == 2 * 7
-    if strategy.startswith("fulm"):
+    if merge.startswith("fulm"):
         clusters = results["merge"]["clusters"]
         assert sorted(m for c in clusters for m in c) == sorted(
             str(c["node_id"]) for c in results["clients"]
@@ -146,14 +146,14 @@ def test_baseline_merges_through_flower(tmp_path, checkpoint, strategy):
 
 
 def test_local_checkpoint_through_flower(tmp_path, checkpoint):
-    """model-path: any local Hugging Face causal LM runs through the same Flower pipeline."""
+    """model.path: any local Hugging Face causal LM runs through the same Flower pipeline."""
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' {SMALL_RUN}",
+        run_config=f"model.path='{checkpoint}' {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )
     results = json.loads(path.read_text())
-    assert results["config"]["model-path"] == str(checkpoint)
+    assert results["config"]["model.path"] == str(checkpoint)
     assert "reference" not in results["metrics"]  # no retain-only model for a foreign checkpoint
     assert results["metrics"]["after"]["forget_quality"] is None
     assert sorted(c["role"] for c in results["clients"]) == ["forget"] * 5 + ["retain"]
@@ -176,14 +176,14 @@ def half_sum(updates, *, gamma=1.0):
 
 
 def test_plugin_merge_through_flower(tmp_path, checkpoint, monkeypatch):
-    """A merge defined outside the repository runs via strategy='module:function'."""
+    """A merge defined outside the repository runs via merge='module:function'."""
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "my_merges.py").write_text(PLUGIN)
     monkeypatch.setenv("PYTHONPATH", str(plugins))  # for the Flower processes
     monkeypatch.syspath_prepend(str(plugins))  # run_local imports the merge up front
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' strategy='my_merges:half_sum' gamma=0.5 {SMALL_RUN}",
+        run_config=f"model.path='{checkpoint}' merge='my_merges:half_sum' gamma=0.5 {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )
@@ -191,7 +191,8 @@ def test_plugin_merge_through_flower(tmp_path, checkpoint, monkeypatch):
     merge = results["merge"]
     assert merge["method"] == "half-sum" and merge["clients"] == 6
     assert merge["norm_final"] > 0
-    assert results["config"]["strategy"] == "my_merges:half_sum"
+    assert results["config"]["merge"] == "my_merges:half_sum"
+    assert (results["config"]["wrapper"], results["config"]["pipeline"]) == ("none", "unlearn")
     assert results["metrics"]["after"] != results["metrics"]["before"]
 
 
@@ -203,7 +204,10 @@ def test_compact_streamed_uploads_give_the_dense_runs_merge_at_a_fraction_of_the
     Fisher (α' ≥ α) is exact, and factors decode bit for bit (``simulations.compact_check``
     runs both forms and compares their saved weights)."""
     report = compact_check.check(
-        f"model-path='{checkpoint}' {SMALL_RUN} num-forget-clients=1", "", tmp_path, reuse=False
+        f"model.path='{checkpoint}' {SMALL_RUN} scenario.num-forget-clients=1",
+        "",
+        tmp_path,
+        reuse=False,
     )
     assert report["merged_update"]["error"] == 0.0
     assert report["merged_update"]["changed_weights"] == 2 * 7

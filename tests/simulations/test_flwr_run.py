@@ -38,7 +38,7 @@ def test_flwr_run_stream_runs_the_app_and_shows_the_first_build(tmp_path) -> Non
                 "local",
                 "--stream",
                 "--run-config",
-                f"{SMALL_TOFU} output-dir='{out}' cache-dir='{cache}'",
+                f"{SMALL_TOFU} output-dir='{out}' model.cache-dir='{cache}'",
                 "--federation-config",
                 "num-supernodes=6 client-resources-num-cpus=1 init-args-num-cpus=1",
             ],

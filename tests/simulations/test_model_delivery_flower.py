@@ -1,5 +1,6 @@
-"""Real Flower simulations where the nodes hold the base checkpoint (``base-checkpoint``):
-they are sent only the weights that differ from it, and the run ends with the same weights."""
+"""Real Flower simulations where the nodes hold the base checkpoint (``model.base-checkpoint``
+in the run config): they are sent only the weights that differ from it, and the run ends with
+the same weights."""
 
 import json
 
@@ -16,14 +17,15 @@ from wire.delivery import DELTA
 pytestmark = pytest.mark.slow
 
 SMALL_RUN = (  # as in test_mpu_flower.py
-    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
-    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+    "scenario.num-authors=20 scenario.retain-samples=20 scenario.num-forget-clients=2 "
+    "eval.retain-samples=20 eval.max-new-tokens=8 lora.rank=4 lora.alpha=8.0 "
+    "training.forget-steps=3 training.retain-steps=3"
 )
 
 
 def _run(tmp_path, name: str, checkpoint, options: str = "num-rounds=2") -> tuple[dict, dict]:
     path = run_local.run(
-        run_config=f"model-path='{checkpoint}' {SMALL_RUN} {options}",
+        run_config=f"model.path='{checkpoint}' {SMALL_RUN} {options}",
         output_dir=tmp_path / name,
         flwr_home=tmp_path / f"{name}-flwr",
     )
@@ -39,7 +41,10 @@ def full_run(tmp_path_factory, tiny_checkpoint):
 def test_nodes_holding_the_base_end_with_the_same_weights(tmp_path, tiny_checkpoint, full_run):
     full, full_weights = full_run
     delta, delta_weights = _run(
-        tmp_path, "delta", tiny_checkpoint, f"num-rounds=2 base-checkpoint='{tiny_checkpoint}'"
+        tmp_path,
+        "delta",
+        tiny_checkpoint,
+        f"num-rounds=2 model.base-checkpoint='{tiny_checkpoint}'",
     )
     assert delta_weights.keys() == full_weights.keys()
     assert all(torch.equal(delta_weights[k], full_weights[k]) for k in full_weights)
@@ -59,7 +64,9 @@ def test_nodes_with_another_base_get_the_full_model(tmp_path, tiny_checkpoint, c
     other = tmp_path / "other"  # another random model of the same shapes
     model = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
     new_tiny_llama(model.config, seed=1).save_pretrained(other)
-    results, _ = _run(tmp_path, "other", tiny_checkpoint, f"num-rounds=1 base-checkpoint='{other}'")
+    results, _ = _run(
+        tmp_path, "other", tiny_checkpoint, f"num-rounds=1 model.base-checkpoint='{other}'"
+    )
     clients = results["clients"]
     assert all(c["model_delivery"] == "full" and "excluded" not in c for c in clients)
     log = capfd.readouterr().out

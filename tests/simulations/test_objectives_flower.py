@@ -17,8 +17,9 @@ from simulations import run_local
 pytestmark = pytest.mark.slow
 
 SMALL_RUN = (
-    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
-    "eval-max-new-tokens=8 local-retain-samples=6 forget-steps=4 retain-steps=4"
+    "scenario.num-authors=20 scenario.retain-samples=20 scenario.local-retain-samples=6 "
+    "eval.retain-samples=20 eval.max-new-tokens=8 lora.rank=4 lora.alpha=8.0 "
+    "training.forget-steps=4 training.retain-steps=4"
 )
 FORGET_OBJECTIVES = sorted(set(OBJECTIVES) - {"nll"})
 #: the first objective (alphabetically) of each distinct data requirement
@@ -42,7 +43,7 @@ def test_one_objective_per_requirement_covers_every_requirement():
 @pytest.mark.parametrize("objective", ONE_PER_REQUIREMENT)
 def test_objective_through_flower(tmp_path, tiny_checkpoint, objective):
     path = run_local.run(
-        run_config=f"model-path='{tiny_checkpoint}' objective='{objective}' {SMALL_RUN}",
+        run_config=f"model.path='{tiny_checkpoint}' objective.name='{objective}' {SMALL_RUN}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
     )

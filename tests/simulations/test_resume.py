@@ -30,8 +30,9 @@ from strategies.secret_files import write_private_file
 pytestmark = pytest.mark.slow
 
 SMALL_RUN = (  # as in test_mpu_flower.py
-    "num-authors=20 retain-samples=20 eval-retain-samples=20 lora-rank=4 lora-alpha=8.0 "
-    "eval-max-new-tokens=8 forget-steps=3 retain-steps=3 num-forget-clients=2"
+    "scenario.num-authors=20 scenario.retain-samples=20 scenario.num-forget-clients=2 "
+    "eval.retain-samples=20 eval.max-new-tokens=8 lora.rank=4 lora.alpha=8.0 "
+    "training.forget-steps=3 training.retain-steps=3"
 )
 MARKER = "FEDUNLEARN_TEST_RESUME_MARKER"
 FLWR_HOMES = run_local.REPO_ROOT / ".flwr_home"  # where run_local's CLI puts its Flower homes
@@ -189,12 +190,12 @@ def _kill_after_first_round(runs: Runs, run_config: str, output_dir: Path) -> in
 
 # One run with the most state to carry over a kill: MPU's copies, secret and history, over three
 # rounds (a plain FIRM run resumes through the same checkpoint code, without MPU's state).
-RESUMED_RUN = "strategy='mpu' mpu-merge='firm' mpu-copies=2"
+RESUMED_RUN = "wrapper='mpu' merge='firm' mpu.copies=2"
 NUM_ROUNDS = 3
 
 
 def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_checkpoint, runs):
-    run_config = f"model-path='{tiny_checkpoint}' {RESUMED_RUN} num-rounds={NUM_ROUNDS} {SMALL_RUN}"
+    run_config = f"model.path='{tiny_checkpoint}' {RESUMED_RUN} num-rounds={NUM_ROUNDS} {SMALL_RUN}"
     killed = tmp_path / "killed"
     done = _kill_after_first_round(runs, run_config, killed)
     assert 1 <= done < NUM_ROUNDS, "killed too late: every round had finished"
@@ -210,7 +211,7 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_checkpoint, runs)
     given = write_private_file(tmp_path / "reference-secret", secret.encode())
     for text in [*runs.outputs, (killed / "results.json").read_text()]:
         assert secret not in text
-    reference = runs.run(f"{run_config} mpu-secret-file='{given}'", tmp_path / "reference")
+    reference = runs.run(f"{run_config} mpu.secret-file='{given}'", tmp_path / "reference")
     assert "resumed_from_round" not in reference
 
     got, want = _final_weights(killed), _final_weights(tmp_path / "reference")

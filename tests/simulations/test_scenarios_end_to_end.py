@@ -23,12 +23,13 @@ pytestmark = pytest.mark.slow
 # wmdp: 10 epochs (8 reach a forget accuracy of only 0.90); FIRM with the scenario's γ = 4
 # (γ = 8 took the general accuracy from 0.98 to 0.55)
 SMALL_WMDP = (
-    f"scenario='wmdp' {SMALL_SUBSTRATE} substrate-finetune-epochs=10 substrate-finetune-lr=4e-3"
+    f"scenario.name='wmdp' {SMALL_SUBSTRATE} "
+    "substrate.finetune-epochs=10 substrate.finetune-lr=4e-3"
 )
 # muse: 16 epochs; FIRM γ = 3 (γ = 4 took KnowMem retain from 0.87 to 0.60, at the bound)
 SMALL_MUSE = (
-    f"scenario='muse' {SMALL_SUBSTRATE} substrate-finetune-epochs=16 substrate-finetune-lr=4e-3 "
-    "gamma=3.0"
+    f"scenario.name='muse' {SMALL_SUBSTRATE} "
+    "substrate.finetune-epochs=16 substrate.finetune-lr=4e-3 gamma=3.0"
 )
 
 
@@ -85,4 +86,4 @@ def test_wmdp_rmu_pushes_hazard_accuracy_toward_chance(wmdp):
     assert after["accuracy_bio"] < before["accuracy_bio"]
     assert after["accuracy_cyber"] < before["accuracy_cyber"]
     assert after["general_accuracy"] >= before["general_accuracy"] - 0.3
-    assert wmdp["config"]["rmu-layer"] == 1 and wmdp["config"]["lora-layers"] == "0,1"
+    assert wmdp["config"]["objective.rmu-layer"] == 1 and wmdp["config"]["lora.layers"] == "0,1"

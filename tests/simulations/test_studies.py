@@ -8,7 +8,7 @@ from simulations import magnitude, multi_retain, sweep
 
 pytestmark = pytest.mark.slow
 
-TINY = "lora-rank=4 lora-alpha=8.0 eval-max-new-tokens=8 eval-retain-samples=20"
+TINY = "lora.rank=4 lora.alpha=8.0 eval.max-new-tokens=8 eval.retain-samples=20"
 
 
 @pytest.fixture()
@@ -23,7 +23,7 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
     summary = sweep.sweep(
         ["firm", "sum"],
         {"firm": [1.0, 4.0], "sum": [0.5]},
-        f"model-path='{checkpoint}' num-authors=20 retain-samples=20 {TINY}",
+        f"model.path='{checkpoint}' scenario.num-authors=20 scenario.retain-samples=20 {TINY}",
         out,
     )
     assert sorted(p.name for p in (out / "points").iterdir()) == [
@@ -43,7 +43,7 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
 
 def test_multi_retain_exact_beats_increase_only(tmp_path, checkpoint):
     summary = multi_retain.study(
-        f"model-path='{checkpoint}' num-authors=20 {TINY}", tmp_path / "mr", gamma=4.0
+        f"model.path='{checkpoint}' scenario.num-authors=20 {TINY}", tmp_path / "mr", gamma=4.0
     )
     assert [row["m"] for row in summary["rows"]] == [1, 2, 3]
     for row in summary["rows"]:
@@ -61,7 +61,7 @@ def test_multi_retain_exact_beats_increase_only(tmp_path, checkpoint):
 
 def test_magnitude_sum_grows_firm_does_not(tmp_path, checkpoint):
     summary = magnitude.study(
-        f"model-path='{checkpoint}' num-authors=200 retain-samples=20 {TINY}",
+        f"model.path='{checkpoint}' scenario.num-authors=200 scenario.retain-samples=20 {TINY}",
         {"sum": 1.0, "fulm": 1.0, "firm": 1.0},
         tmp_path / "mag",
     )

@@ -7,7 +7,7 @@ import pytest
 from simulations.frontier import summary_markdown
 from simulations.sweep import flower_run_point
 
-CONFIG = {"strategy": "firm", "gamma": 8.0, "num-rounds": 1, "seed": 0, "output-dir": "/a"}
+CONFIG = {"merge": "firm", "gamma": 8.0, "num-rounds": 1, "seed": 0, "output-dir": "/a"}
 
 
 def _results(tmp_path, name, **changes):
@@ -20,7 +20,7 @@ def _results(tmp_path, name, **changes):
 
 
 def test_a_run_of_another_merge_is_a_point(tmp_path):
-    path = _results(tmp_path, "ties", strategy="ties", gamma=4.0, **{"output-dir": "/b"})
+    path = _results(tmp_path, "ties", merge="ties", gamma=4.0, **{"output-dir": "/b"})
     point = flower_run_point(path, CONFIG, ("forget_rouge_l", "model_utility"))
     assert point["strategy"] == "ties" and point["gamma"] == 4.0
     assert point["metrics"] == {"forget_rouge_l": 0.5, "model_utility": 0.4}
@@ -28,7 +28,7 @@ def test_a_run_of_another_merge_is_a_point(tmp_path):
 
 
 def test_a_run_point_goes_into_the_summary_table(tmp_path):
-    path = _results(tmp_path, "sum", strategy="sum")
+    path = _results(tmp_path, "sum", merge="sum")
     point = flower_run_point(path, CONFIG, ("forget_rouge_l", "model_utility"))
     summary = {
         "points": [point],
@@ -39,7 +39,10 @@ def test_a_run_point_goes_into_the_summary_table(tmp_path):
     assert "| sum | 8 |" in summary_markdown(summary)
 
 
-@pytest.mark.parametrize("changes", [{"seed": 1}, {"num-rounds": 2}, {"seed": 0, "lora-rank": 8}])
+@pytest.mark.parametrize(
+    "changes",
+    [{"seed": 1}, {"num-rounds": 2}, {"seed": 0, "lora.rank": 8}, {"wrapper": "mpu"}],
+)
 def test_a_run_of_another_config_is_refused(tmp_path, changes):
     path = _results(tmp_path, "other", **changes)
     with pytest.raises(ValueError, match="not a single-round run of the sweep's config"):

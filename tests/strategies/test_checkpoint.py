@@ -22,7 +22,7 @@ from strategies.merge_strategy import MergeStrategy
 from strategies.mpu_strategy import MpuStrategy
 from wire.messages import encode_client_reply
 
-CONFIG = {"strategy": "mpu", "gamma": 2.0, "num-rounds": 3, "output-dir": "/a", "mpu-secret": ""}
+CONFIG = {"wrapper": "mpu", "gamma": 2.0, "num-rounds": 3, "output-dir": "/a", "mpu.secret": ""}
 
 
 def _state(value: float) -> dict[str, torch.Tensor]:
@@ -95,7 +95,7 @@ def test_another_config_is_refused_with_the_differing_keys(tmp_path):
     with pytest.raises(CheckpointError, match=r"gamma \(2\.0 → 4\.0\).*resume=false"):
         _checkpoint(tmp_path, other).load()
     # output folder, secret and the number of rounds do not change the finished rounds
-    same = {**CONFIG, "output-dir": "/b", "num-rounds": 5, "mpu-secret": "x", "resume": False}
+    same = {**CONFIG, "output-dir": "/b", "num-rounds": 5, "mpu.secret": "x", "resume": False}
     assert _checkpoint(tmp_path, same).load()[0] == 1
     other_model = RunCheckpoint(
         tmp_path, config_fingerprint(CONFIG, model_structure({"w": torch.zeros(2)})), CONFIG

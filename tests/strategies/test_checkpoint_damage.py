@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from flwr.app import Context, RecordDict
+from flwr.common.config import flatten_dict
 
 from fedunlearn.files import FolderInUseError, exclusive_folder
 from strategies import server_app
@@ -22,11 +23,14 @@ from strategies.settings import RunSettings
 from strategies.unlearn_pipeline import open_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+#: the run config Flower reads: pyproject's tables flattened to dotted keys ("firm.alpha")
+DEFAULTS = flatten_dict(
+    tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["flwr"]["app"]["config"]
+)
 
 
 def _settings(output_dir: Path, **overrides) -> RunSettings:
-    config = {**DEFAULTS, "output-dir": str(output_dir), "strategy": "firm", "num-rounds": 3}
+    config = {**DEFAULTS, "output-dir": str(output_dir), "merge": "firm", "num-rounds": 3}
     return RunSettings.from_run_config({**config, **overrides})
 
 
@@ -131,7 +135,7 @@ def test_a_second_run_on_the_same_output_dir_is_refused_at_once(tmp_path):
     )
     try:
         assert holder.stdout.readline() == "held\n"
-        run_config = {**DEFAULTS, "output-dir": str(output_dir), "cache-dir": str(cache_dir)}
+        run_config = {**DEFAULTS, "output-dir": str(output_dir), "model.cache-dir": str(cache_dir)}
         context = Context(1, 0, {}, RecordDict(), run_config)
         started = time.perf_counter()
         with pytest.raises(FolderInUseError, match=rf"{output_dir} is in use by PID {holder.pid}"):

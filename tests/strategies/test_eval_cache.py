@@ -7,7 +7,7 @@ import torch
 from strategies.eval_cache import cached_evaluation, evaluation_key
 from strategies.settings import RunSettings
 
-REAL = {"model": "smollm2-135m"}
+REAL = {"model.name": "smollm2-135m"}
 
 
 def test_key_follows_weights_settings_and_reference(tiny_model):
@@ -18,7 +18,7 @@ def test_key_follows_weights_settings_and_reference(tiny_model):
         tiny_model.lm_head.weight[0, 0] += 1e-3
     changed = evaluation_key(tiny_model, settings, None, None)
     assert changed != key
-    other = RunSettings.from_run_config({**REAL, "eval-max-new-tokens": 8})
+    other = RunSettings.from_run_config({**REAL, "eval.max-new-tokens": 8})
     assert evaluation_key(tiny_model, other, None, None) != changed
     assert evaluation_key(tiny_model, settings, {"forget_truth_ratios": [0.5]}, None) != changed
     unrelated = RunSettings.from_run_config({**REAL, "gamma": 3.0})  # a merge setting

@@ -143,7 +143,7 @@ def test_missing_digest_and_missing_records_exclude_not_abort():
     [
         ({k: torch.full_like(v, 3e38) for k, v in STATE.items()}, "magnitude 3e+38"),
         ({k: v.double() for k, v in _weights(21).items()}, "float64 but the global weight is"),
-        ({k: v + 100.0 for k, v in STATE.items()}, "max-update-ratio"),
+        ({k: v + 100.0 for k, v in STATE.items()}, "server.max-update-ratio"),
     ],
     ids=["float32-max", "float64", "far-away"],
 )

@@ -62,6 +62,6 @@ def test_merge_receives_only_the_parameters_it_names(plugin_path):
 
 @pytest.mark.parametrize("name", sorted(MERGES))
 def test_every_registered_merge_resolves_to_its_kernel(name):
-    """strategy=<name> picks the registered kernel (one Flower run per merge is not needed:
+    """merge=<name> picks the registered kernel (one Flower run per merge is not needed:
     test_end_to_end runs a few of them through the same registry)."""
     assert resolve_merge(name) is MERGES[name]

@@ -131,7 +131,7 @@ def _linear_reply(content, names, copies, eta=0.1):
 
 
 def test_per_round_sends_one_set_of_copies_to_every_client(tiny_model):
-    """mpu-publish=per-round: the copies are built once per round and sent to every client
+    """mpu.publish=per-round: the copies are built once per round and sent to every client
     (the same records), drawn from keys of their own (not client 0's), fresh every round, and
     every client's reply maps back with them."""
     state, arrays = _state(tiny_model), ArrayRecord(_state(tiny_model))
@@ -184,7 +184,7 @@ def test_per_client_copies_differ_between_clients_and_keys_are_drawn_once(tiny_m
     )
     assert strategy.copy_transforms(1, 1, 0) is strategy.copy_transforms(1, 1, 0)
     assert strategy.copy_transforms(1, 1, 0) is not strategy.copy_transforms(1, 0, 0)
-    with pytest.raises(ValueError, match="mpu-publish must be one of"):
+    with pytest.raises(ValueError, match="mpu.publish must be one of"):
         MpuStrategy(
             merge="sum",
             model_config=tiny_model.config,
@@ -195,7 +195,7 @@ def test_per_client_copies_differ_between_clients_and_keys_are_drawn_once(tiny_m
 
 
 def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(tiny_model):
-    """mpu-shared-kappa: the linear client's update, mapped back and aggregated, is −η·(θ + η_s)
+    """mpu.shared-kappa: the linear client's update, mapped back and aggregated, is −η·(θ + η_s)
     with η_s of std κ_η·RMS (not cancelled, unlike ε⁰); without it the report carries the
     alignment warning, with it not; a clean run cannot take shared noise."""
     state = _state(tiny_model)
@@ -215,7 +215,7 @@ def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(ti
     ) ** 0.5
     shared = update.task_vector[name] / -0.1 - state[name]
     assert 0.8 * 0.05 * rms < float(shared.std()) < 1.2 * 0.05 * rms
-    with pytest.raises(ValueError, match="mpu-shared-kappa needs mpu-mode='mpu'"):
+    with pytest.raises(ValueError, match="mpu.shared-kappa needs mpu.mode='mpu'"):
         MpuStrategy(
             merge="sum",
             model_config=tiny_model.config,

@@ -46,7 +46,7 @@ def test_refused_in_the_constructor_before_any_copy(class_name, extra, named):
     with pytest.raises(UnsupportedArchitectureError) as refused:
         _strategy(_config(class_name, **extra))
     assert named in str(refused.value)
-    assert "mpu-mode=clean or noised" in str(refused.value)
+    assert "mpu.mode=clean or noised" in str(refused.value)
 
 
 def test_baselines_do_not_reparameterise_so_any_architecture_runs():

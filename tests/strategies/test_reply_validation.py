@@ -212,7 +212,7 @@ def test_oversized_payload():
     big = _reply(12)
     big.content["padding"] = ArrayRecord({"x": torch.zeros(500_000)})  # 2 MB of junk
     reason = _merged_without(_strategy(), _replies(n12=big), 12)
-    assert "over the upload limit" in reason and "max-upload-mb" in reason
+    assert "over the upload limit" in reason and "server.max-upload-mb" in reason
     # an explicit limit: 0.001 MiB is less than any honest reply here
     strategy = _strategy(max_upload_mb=0.001)
     with pytest.raises(RoundFailedError, match="no valid forget update"):
@@ -239,7 +239,9 @@ def test_missing_reply_is_excluded_as_straggler():
 def test_too_few_valid_updates_fail_and_keep_the_model():
     strategy = _strategy(min_replies=4)
     before = {k: v.clone() for k, v in strategy.global_arrays.to_torch_state_dict().items()}
-    with pytest.raises(RoundFailedError, match=r"only 3 valid update\(s\), min-replies is 4"):
+    with pytest.raises(
+        RoundFailedError, match=r"only 3 valid update\(s\), server\.min-replies is 4"
+    ):
         strategy.aggregate_train(1, _replies(n12=None))
     assert strategy.last_merge is None
     after = strategy.global_arrays.to_torch_state_dict()
@@ -319,7 +321,7 @@ def test_robust_options_bound_a_scaled_client_and_leave_honest_rounds_alone():
     honest_robust = _delta(_strategy(**robust), _replies())
     for name in honest:  # nobody exceeds the bounds: bit for bit the same merge
         assert torch.equal(honest[name], honest_robust[name])
-    # ×1000 is above the default client-norm-ratio (excluded); with it off the robust options
+    # ×1000 is above the default server.client-norm-ratio (excluded); with it off the robust options
     # bound the client
     attack = _reply(12, tv={k: 1000 * v for k, v in _honest(12)[0].items()})
     plain = _norm(_delta(_strategy(client_norm_ratio=0.0), _replies(n12=attack))) / _norm(honest)

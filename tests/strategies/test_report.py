@@ -9,7 +9,12 @@ NAMES = ("forget_accuracy", "general_accuracy", "privleak")
 
 def _results(**overrides):
     results = {
-        "config": {"scenario": "wmdp", "strategy": "firm", "model": "builtin", "epsilon": 0.5},
+        "config": {
+            "scenario.name": "wmdp",
+            "merge": "firm",
+            "model.name": "builtin",
+            "firm.epsilon": 0.5,
+        },
         "metrics": {
             "before": {
                 "forget_accuracy": 1.0,
@@ -56,6 +61,13 @@ def test_values_exclusions_and_escaping():
     assert "<td>2.50 MB</td>" in page and "<td>2.00 GB</td>" in page
     assert "<td>0.9 → 0.5</td><td>0.25</td>" in page
     assert "<script>" not in page and "&lt;script&gt;x" in page and "Q&lt;1&gt;" in page
+    # the run section reads results.json's dotted config keys
+    assert "<h1>fedunlearn run: wmdp / firm</h1>" in page
+    assert "<th class='text'>firm.epsilon</th>" in page and "<th class='text'>merge</th>" in page
+    mpu = {**_results()["config"], "wrapper": "mpu", "merge": "ties"}
+    assert "fedunlearn run: wmdp / mpu + ties" in render_report(_results(config=mpu), NAMES)
+    dp2u = {**_results()["config"], "pipeline": "dp2u"}
+    assert "fedunlearn run: wmdp / dp2u" in render_report(_results(config=dp2u), NAMES)
 
 
 def test_run_without_evaluation_and_atomic_write(tmp_path: Path):

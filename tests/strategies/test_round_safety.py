@@ -144,7 +144,7 @@ def test_huge_metadata_counts_against_the_upload_limit():
     big = _reply(11)
     big.content["info"]["note"] = "x" * (50 * 2**20)  # 50 MB of text in the info record
     reason = _merged_without(_strategy(), _replies(n11=big), 11)
-    assert "over the upload limit" in reason and "max-upload-mb" in reason
+    assert "over the upload limit" in reason and "server.max-upload-mb" in reason
     many = _reply(12)
     many.content["extra"] = MetricRecord({"junk": [0.0] * 1_000_000})  # 8 MB of metrics
     _merged_without(_strategy(), _replies(n12=many), 12)
@@ -184,10 +184,10 @@ def test_float64_huge_task_vector_of_a_lone_retain_client_is_excluded():
 def test_client_norm_far_above_its_role_median_is_excluded():
     tv = {k: 1e5 * v for k, v in _honest(13)[0].items()}
     reason = _merged_without(_strategy(), _replies(n13=_reply(13, tv=tv)), 13)
-    assert "client-norm-ratio" in reason and "median" in reason and "3 forget" in reason
+    assert "server.client-norm-ratio" in reason and "median" in reason and "3 forget" in reason
     # with the bound off the client is merged (and the round fails on the absurd update)
     strategy = _strategy(client_norm_ratio=0.0)
-    with pytest.raises(RoundFailedError, match="max-update-ratio"):
+    with pytest.raises(RoundFailedError, match="server.max-update-ratio"):
         strategy.aggregate_train(1, _replies(n13=_reply(13, tv=tv)))
     assert not _excluded(strategy)
 
@@ -201,7 +201,9 @@ def test_absurd_update_of_a_two_client_role_fails_the_round_and_saves_nothing(tm
     strategy.node_assignment = dict(zip(NODES[1:], assignments, strict=True))
     tv = {k: 1e5 * v for k, v in _honest(12)[0].items()}
     replies = [_reply(12, tv=tv), _reply(13), _reply(14)]
-    with pytest.raises(RoundFailedError, match=r"round 1: .*max-update-ratio.*model is kept"):
+    with pytest.raises(
+        RoundFailedError, match=r"round 1: .*server\.max-update-ratio.*model is kept"
+    ):
         strategy.aggregate_train(1, replies)
     assert strategy.last_merge is None and not checkpoint.weights_path.exists()
     # the same round with the honest client instead is saved
@@ -233,9 +235,9 @@ def test_non_finite_merge_result_fails_the_round_even_with_the_ratio_off(tmp_pat
 
 
 def test_server_lr_must_be_finite_and_a_huge_one_fails_the_round():
-    with pytest.raises(ValueError, match="server-lr must be a finite number, got nan"):
+    with pytest.raises(ValueError, match="mpu.server-lr must be a finite number, got nan"):
         _strategy(server_lr=math.nan)
-    with pytest.raises(RoundFailedError, match="max-update-ratio"):
+    with pytest.raises(RoundFailedError, match="server.max-update-ratio"):
         _strategy(server_lr=1e30).aggregate_train(1, _replies())
     strategy = _strategy(server_lr=1e300, max_update_ratio=0.0)  # η·Δ overflows float32
     with pytest.raises(RoundFailedError, match="non-finite"):
@@ -309,11 +311,12 @@ def test_mpu_server_lr_nan_is_refused():
         _mpu_strategy(server_lr=math.nan)
 
 
-@pytest.mark.parametrize("key", ["client-norm-ratio", "max-update-ratio"])
-def test_ratio_keys_are_off_or_at_least_one(key):
-    assert getattr(RunSettings.from_run_config({}), key.replace("-", "_")) > 1
-    assert getattr(RunSettings.from_run_config({key: 0.0}), key.replace("-", "_")) == 0
+@pytest.mark.parametrize("name", ["client_norm_ratio", "max_update_ratio"])
+def test_ratio_keys_are_off_or_at_least_one(name):
+    key = "server." + name.replace("_", "-")
+    assert getattr(RunSettings.from_run_config({}).server, name) > 1
+    assert getattr(RunSettings.from_run_config({key: 0.0}).server, name) == 0
     with pytest.raises(ValueError, match=key):
         RunSettings.from_run_config({key: 0.5})
     with pytest.raises(ValueError, match=key):
-        _strategy(**{key.replace("-", "_"): 0.5})
+        _strategy(**{name: 0.5})

@@ -29,26 +29,26 @@ def _secret_file(folder, text: str, mode: int):
 
 
 def test_inline_mpu_secret_is_refused_with_the_way_to_give_it():
-    with pytest.raises(ValueError, match="'mpu-secret' is refused") as err:
-        RunSettings.from_run_config({"strategy": "mpu", "mpu-secret": "do-not-leak-4711"})
-    assert "mpu-secret-file" in str(err.value) and "$FEDUNLEARN_MPU_SECRET" in str(err.value)
+    with pytest.raises(ValueError, match="'mpu.secret' is refused") as err:
+        RunSettings.from_run_config({"wrapper": "mpu", "mpu.secret": "do-not-leak-4711"})
+    assert "mpu.secret-file" in str(err.value) and "$FEDUNLEARN_MPU_SECRET" in str(err.value)
     assert "do-not-leak-4711" not in str(err.value)
 
 
 @pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o660, 0o666])
 def test_secret_file_others_may_read_is_refused(tmp_path, mode):
     path = _secret_file(tmp_path, "s3cret-value\n", mode)
-    with pytest.raises(ValueError, match=f"mpu-secret-file .*has mode {mode:04o}") as err:
-        RunSettings.from_run_config({"strategy": "mpu", "mpu-secret-file": str(path)})
+    with pytest.raises(ValueError, match=f"mpu.secret-file .*has mode {mode:04o}") as err:
+        RunSettings.from_run_config({"wrapper": "mpu", "mpu.secret-file": str(path)})
     assert "chmod 600" in str(err.value) and "s3cret-value" not in str(err.value)
 
 
 @pytest.mark.parametrize("mode", [0o600, 0o400])
 def test_private_secret_file_is_read_without_its_newline(tmp_path, mode):
     path = _secret_file(tmp_path, "s3cret value\n", mode)
-    settings = RunSettings.from_run_config({"strategy": "mpu", "mpu-secret-file": str(path)})
+    settings = RunSettings.from_run_config({"wrapper": "mpu", "mpu.secret-file": str(path)})
     assert given_secret(settings.mpu.secret_file) == "s3cret value"
-    assert settings.as_dict()["mpu-secret-file"] == str(path)  # the path, never the secret
+    assert settings.as_dict()["mpu.secret-file"] == str(path)  # the path, never the secret
     assert "s3cret" not in repr(settings.as_dict())
     assert given_secret("") == ""  # unset: $FEDUNLEARN_MPU_SECRET or a fresh secret
 
@@ -124,7 +124,7 @@ def test_a_failed_write_never_leaves_a_readable_file(tmp_path):
     assert not path.exists()
 
 
-CONFIG = {"strategy": "mpu", "num-rounds": 3, "output-dir": "/a", "mpu-secret": ""}
+CONFIG = {"wrapper": "mpu", "num-rounds": 3, "output-dir": "/a", "mpu.secret": ""}
 MODEL = {"w": "float32[2]"}
 
 
@@ -139,12 +139,12 @@ def test_secret_from_env_or_file_resumes_alike(tmp_path, monkeypatch):
     first = _checkpoint(tmp_path).mpu_secret(given_secret(""))
     monkeypatch.delenv(ENV)
     path = _secret_file(tmp_path, "shared-secret-4711\n", 0o600)
-    moved = {**CONFIG, "mpu-secret-file": str(path)}
+    moved = {**CONFIG, "mpu.secret-file": str(path)}
     assert config_fingerprint(moved, MODEL) == config_fingerprint(CONFIG, MODEL)
     assert _checkpoint(tmp_path, moved).mpu_secret(given_secret(str(path))) == first
     other = tmp_path / "other"
     write_private_file(other, b"another-secret")
-    with pytest.raises(CheckpointError, match="another MPU secret.*mpu-secret-file"):
+    with pytest.raises(CheckpointError, match="another MPU secret.*mpu.secret-file"):
         _checkpoint(tmp_path).mpu_secret(given_secret(str(other)))
     assert first == b"shared-secret-4711"
 

@@ -141,4 +141,4 @@ def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp
     assert set(excluded) == {13, 14}
     assert f"Fisher tensor {DOWN!r} top-k mask inflates to 767 bytes, expected 768" in excluded[13]
     assert f"task-vector tensor {Q!r} is uploaded as LoRA factors of rank 64" in excluded[14]
-    assert "above the run's lora-rank 16" in excluded[14]
+    assert "above the run's lora.rank 16" in excluded[14]

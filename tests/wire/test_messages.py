@@ -72,7 +72,7 @@ def test_reply_with_nan_names_client_and_tensor():
 
 
 def test_local_checkpoint_loads_and_travels(tmp_path, tiny_model, tiny_tokenizer):
-    """model-path: a checkpoint saved by the test loads offline and crosses the wire intact."""
+    """model.path: a checkpoint saved by the test loads offline and crosses the wire intact."""
     tiny_model.save_pretrained(tmp_path / "ckpt")
     tiny_tokenizer.save_pretrained(tmp_path / "ckpt")
     model, tokenizer = load_local_causal_lm(tmp_path / "ckpt")

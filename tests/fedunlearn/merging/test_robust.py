@@ -66,9 +66,9 @@ def test_off_returns_the_same_objects():
     updates = _updates()
     out, report = apply_robust(updates)
     assert report == {} and all(a is b for a, b in zip(out, updates, strict=True))
-    with pytest.raises(ValueError, match="robust-norm-bound must be 0"):
+    with pytest.raises(ValueError, match="server.robust-norm-bound must be 0"):
         bound_task_vector_norms(updates, 0.5)
-    with pytest.raises(ValueError, match="fisher-cap must be 0"):
+    with pytest.raises(ValueError, match="server.fisher-cap must be 0"):
         cap_fisher_mass(updates, math.nan)
 
 

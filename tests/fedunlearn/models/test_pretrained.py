@@ -89,9 +89,9 @@ def test_model_path_loads_a_gguf_file_through_the_same_conversion(smollm2_checkp
     stamp = weights.stat().st_mtime_ns
     settings = RunSettings.from_run_config(
         {
-            "model-path": str(gguf_path("smollm2-135m")),
-            "cache-dir": str(smollm2_checkpoint.parent),
-            "mmlu-per-subject": 0,
+            "model.path": str(gguf_path("smollm2-135m")),
+            "model.cache-dir": str(smollm2_checkpoint.parent),
+            "eval.mmlu-per-subject": 0,
         }
     )
     run_model = load_run_model(settings, show_progress=False)
