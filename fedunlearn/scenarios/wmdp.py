@@ -55,9 +55,10 @@ class WmdpScenario(Scenario):
     """Fictitious hazard domains (``bio``, ``cyber``, ``chem``) as four-option questions.
 
     ``scenario.forget-domains`` chooses the domains to remove (default ``bio,cyber``; ``chem``
-    stays as a never-forgotten hazard domain, or joins as a third forget domain). The forget clients are
-    split evenly over the forget domains in that order; within a domain each client holds the
-    documents of a contiguous run of entities, so shards are disjoint and no entity is split.
+    stays as a never-forgotten hazard domain, or joins as a third forget domain). The forget
+    clients are split evenly over the forget domains in that order; within a domain each client
+    holds the documents of a contiguous run of entities, so shards are disjoint and no entity is
+    split.
     """
 
     defaults = {
