@@ -237,7 +237,7 @@ def test_superlink_listens_on_the_address_asked_for(tmp_path):
         assert listening([other.superlink.pid]) == {("127.0.0.2", port)}
         with pytest.raises(ConnectionRefusedError):
             socket.create_connection(("127.0.0.1", port), timeout=5)
-    assert other.survivors() == []
+    assert other.processes.survivors() == []
 
 
 def _cmdline(pid: int) -> list[str]:
