@@ -26,7 +26,6 @@ from fedunlearn.options import (
     POSITIVE_INT,
     Number,
     OneOf,
-    Parsed,
     option,
     option_group,
 )
@@ -35,12 +34,6 @@ from fedunlearn.training.batching import Example
 STAGES = ("dp-base", "mlm-base", "public-base", "deploy", "unlearn", "retrain")
 #: The DP2Unlearning methods and the baselines run by the same pipeline.
 DP2U_METHODS = ("dp2u-sgd", "dp2u-mlm", "rfs-r", "ga", "graddiff", "kl", "idk")
-
-
-def _check_forget_request(text: str) -> None:
-    """An inline JSON forget request parses (a file path is read by the pipeline)."""
-    if text.strip().startswith("{"):
-        parse_forget_request(text)
 
 
 @option_group("dp2u")
@@ -81,8 +74,8 @@ class Dp2uOptions:
     forget_request: str = option(
         "",
         'a named forget request, JSON {"<client>": {"authors": [...], "records": [...]}} or '
-        'the path of a JSON file; "" = the last scenario.forget-percent % of the authors',
-        Parsed(_check_forget_request, "JSON, a file path, or empty"),
+        'the path of a JSON file; "" = the last scenario.forget-percent % of the authors '
+        "(read and checked when pipeline = dp2u)",
     )
 
 

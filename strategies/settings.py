@@ -177,8 +177,7 @@ class RunSettings:
         """A copy where every key left on its "scenario default" value ("auto", 0, -1) takes
         the scenario's default (``Scenario.defaults``, dotted keys); explicit values are
         kept."""
-        name_field = next(f for f in fields(self.scenario) if f.name == "name")
-        check_value("scenario.name", self.scenario.name, name_field)
+        check_value("scenario.name", self.scenario.name, _field_of("scenario.name")[2])
         defaults = dict(SCENARIOS[self.scenario.name].defaults)
         registry_model = self.model.name != "builtin"
         if registry_model:
@@ -186,9 +185,9 @@ class RunSettings:
         scenario = self.scenario
         if scenario.tofu_subset_authors == 0 and scenario.data_path and registry_model:
             defaults["scenario.tofu-subset-authors"] = 200 if torch.cuda.is_available() else 4
-        if scenario.name == "muse" and scenario.muse_subset_texts == 0 and scenario.data_path:
-            if registry_model:  # the published lists hold 100 items each (muse_files)
-                defaults["scenario.muse-subset-texts"] = 100 if torch.cuda.is_available() else 16
+        muse_files = scenario.name == "muse" and scenario.data_path and registry_model
+        if muse_files and scenario.muse_subset_texts == 0:  # the published lists hold 100 items
+            defaults["scenario.muse-subset-texts"] = 100 if torch.cuda.is_available() else 16
         resolved = self
         for key, value in defaults.items():
             resolved = _with_default(resolved, key, value)
@@ -529,14 +528,16 @@ def _with_default(settings: RunSettings, key: str, value: Any) -> RunSettings:
     """``settings`` with the dotted ``key`` set to ``value`` if it is on its unset default."""
     group, dot, name = key.partition(".")
     if not dot:  # a run-wide key
-        attr = key.replace("-", "_")
-        unset = next(f.default for f in fields(settings) if f.name == attr)
-        if getattr(settings, attr) != unset:
-            return settings
-        return dataclasses.replace(settings, **{attr: value})
-    options = getattr(settings, group)
+        return _on_unset(settings, key, value)
+    options = _on_unset(getattr(settings, group), name, value)
+    return dataclasses.replace(settings, **{group: options})
+
+
+def _on_unset(options: Any, name: str, value: Any) -> Any:
+    """The dataclass ``options`` with field ``name`` (a key) set to ``value`` if that field is
+    still on its default, else ``options`` as it is."""
     attr = name.replace("-", "_")
     unset = next(f.default for f in fields(options) if f.name == attr)
     if getattr(options, attr) != unset:
-        return settings
-    return dataclasses.replace(settings, **{group: dataclasses.replace(options, **{attr: value})})
+        return options
+    return dataclasses.replace(options, **{attr: value})
