@@ -78,6 +78,12 @@ def fsync_tree(folder: Path) -> None:
     fsync_dir(folder)
 
 
+def default_cache_dir() -> Path:
+    """``$FEDUNLEARN_CACHE_DIR`` or ``~/.cache/fedunlearn``: built models, kernels, evaluations."""
+    env = os.environ.get("FEDUNLEARN_CACHE_DIR")
+    return Path(env) if env else Path.home() / ".cache" / "fedunlearn"
+
+
 def temp_path(path: Path) -> Path:
     """A unique temporary name for ``path`` in its folder: ``.<name>.tmp-<pid>-<8 hex>``."""
     return path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")

@@ -25,10 +25,11 @@ from transformers import (
 
 from fedunlearn.benchmarks.mmlu_files import load_mmlu_csv, mmlu_subset
 from fedunlearn.evaluation.harness_mc import harness_accuracy
+from fedunlearn.files import default_cache_dir
 from fedunlearn.models.finetuned import FINETUNED_INFO, FinetuneRecipe, ensure_finetuned
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.models.pretrained import ensure_converted, pretrained_checkpoint
-from fedunlearn.models.substrate import default_cache_dir, load_substrate
+from fedunlearn.models.substrate import load_substrate
 from fedunlearn.scenarios import Scenario, get_scenario
 from strategies.settings import RunSettings
 

@@ -18,7 +18,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 
-from fedunlearn.models.substrate import default_cache_dir
+from fedunlearn.files import default_cache_dir
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
     CHECKPOINT_DIR,

@@ -217,14 +217,16 @@ def _pooled_sparsifier(
     every slice of ``F`` is pooled (``compiled``: by the fused counting kernel), maxed and
     counted for the threshold, and dropped: the merge kernel pools it again slice by slice
     (reading the raw Fishers once more costs less memory traffic than writing and re-reading a
-    float32 ``F``).  A lone Fisher goes to :func:`_sparsifier` (when ``compiled``, only a
-    16-bit one, whose histogram pass is cheaper than the fused count).
+    float32 ``F``).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`; with it,
+    through the same counting pass (the C function of
+    :mod:`~fedunlearn.merging.native_select` reads a lone 16-bit Fisher in less time than its
+    histogram takes).
     """
     flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
     k = support_size(d, alpha) if d else 0
     compiled = compiled and all(fusable(f.dtype) for f in flats)
-    lone = len(flats) == 1 and (not compiled or histogrammed(flats[0]))
+    lone = len(flats) == 1 and not compiled
     if lone or device.type != "cpu" or d <= SMALL or k >= d:
         return _sparsifier(_pooled(fishers, device), alpha, eps0)
     positions = sample_positions(d)

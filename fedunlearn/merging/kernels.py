@@ -33,6 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._chunks import CHUNK, map_spans
+from .native_select import pooled_bracket_counts
 
 #: Environment variable choosing the kernels: ``auto``, ``compiled`` or ``eager``.
 MODE_ENV = "FEDUNLEARN_MERGE_KERNELS"
@@ -126,7 +127,7 @@ def run_kernel(
         return part_sums
 
     parts = map_spans(work, numel, device)
-    return outs, functools.reduce(torch.add, parts)
+    return outs, functools.reduce(torch.add, parts, torch.zeros_like(first_sums))
 
 
 def mean_of(parts: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -192,15 +193,24 @@ def _in_bracket(offsets: np.ndarray, width: int, span: slice) -> np.ndarray:
 
 
 def bracket_counts(
-    parts: Sequence[torch.Tensor], magnitude: bool, bounds: tuple[int, int]
+    parts: Sequence[torch.Tensor],
+    magnitude: bool,
+    bounds: tuple[int, int],
+    *,
+    native: bool = True,
 ) -> tuple[torch.Tensor, int, np.ndarray]:
     """``(max v, #{key > hi}, the keys in [lo, hi])`` over flat ``parts``, slice by slice.
 
-    Keys and values as in :func:`bracket_kernel`, compiled, on slices of :data:`COUNT_SLICE`
-    entries (each call costs a fixed fraction of a millisecond); the candidates (a few per cent
-    of the entries) are picked from each slice's offsets by numpy (about 6x faster than torch's
-    boolean indexing), part by part over the threads.
+    With ``native``, counted by the C function of :mod:`~fedunlearn.merging.native_select`
+    (one pass, only the candidates written) where it is built and takes the parts; otherwise
+    keys and values as in :func:`bracket_kernel`, compiled, on slices of :data:`COUNT_SLICE`
+    entries (each call costs a fixed fraction of a millisecond), and the candidates (a few per
+    cent of the entries) picked from each slice's offsets by numpy (about 6x faster than
+    torch's boolean indexing), part by part over the threads.  Both give the same keys.
     """
+    counted = pooled_bracket_counts(parts, magnitude, bounds) if native else None
+    if counted is not None:
+        return counted
     lo, hi = bounds
     lo_t, hi_t = (torch.tensor(b, dtype=torch.int32) for b in bounds)
     maxima, above, candidates = [], 0, []

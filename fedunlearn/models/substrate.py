@@ -21,7 +21,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 from transformers import LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
-from fedunlearn.files import build_entry, cached_entry_ok, waiting_lock
+from fedunlearn.files import build_entry, cached_entry_ok, default_cache_dir, waiting_lock
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
 from fedunlearn.qa_format import encode_record, encode_text
@@ -251,12 +250,6 @@ def build_reference(
     reference.save_pretrained(folder)
     (folder / REFERENCE_INFO).write_text(json.dumps(info, indent=2))
     return info
-
-
-def default_cache_dir() -> Path:
-    """``$FEDUNLEARN_CACHE_DIR`` or ``~/.cache/fedunlearn``."""
-    env = os.environ.get("FEDUNLEARN_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "fedunlearn"
 
 
 def substrate_folder(cfg: SubstrateConfig, cache_dir: Path | None = None) -> Path:

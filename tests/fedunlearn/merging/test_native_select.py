@@ -1,0 +1,109 @@
+"""The C counting pass of the top-k selections: the same counts and keys as inductor's pass."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fedunlearn.merging import native_select
+from fedunlearn.merging.kernels import bracket_counts, mean_of
+
+pytestmark = pytest.mark.skipif(
+    native_select.library() is None, reason="no C compiler for the counting pass"
+)
+
+
+def _fishers(n: int, d: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    parts = [torch.randn(d, generator=gen).mul_(2).exp_().mul_(1e-6).to(dtype) for _ in range(n)]
+    parts[0][:500] = 0.0
+    parts[0][500:1000] = -0.0  # read as 0.0
+    parts[-1][1000:3000] = parts[-1][3000]  # ties
+    return parts
+
+
+def _bounds(values: torch.Tensor, magnitude: bool, low: float, high: float) -> tuple[int, int]:
+    keys = values.view(torch.int32).numpy()
+    keys = keys & 0x7FFFFFFF if magnitude else np.maximum(keys, 0)
+    ordered = np.sort(keys)
+    return int(ordered[int(low * keys.size)]), int(ordered[int(high * keys.size)])
+
+
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        (torch.bfloat16,) * 3,
+        (torch.float32,),
+        (torch.bfloat16,),
+        (torch.float32, torch.bfloat16),  # pooled across dtypes: widened first, as mean_of
+    ],
+)
+@pytest.mark.parametrize("d", [300_001, 1 << 18])
+def test_pooled_counts_equal_the_inductor_pass(
+    monkeypatch: pytest.MonkeyPatch, dtypes: tuple[torch.dtype, ...], d: int
+) -> None:
+    monkeypatch.setattr(native_select, "SLICE", 1 << 16)  # several slices over the threads
+    fishers = _fishers(len(dtypes), d, torch.float32, 3)
+    parts = [p.to(dt) for p, dt in zip(fishers, dtypes, strict=True)]
+    bounds = _bounds(mean_of(parts), False, 0.88, 0.90)
+    counted = native_select.pooled_bracket_counts(parts, False, bounds)
+    assert counted is not None
+    top, above, keys = counted
+    ref_top, ref_above, ref_keys = bracket_counts(parts, False, bounds, native=False)
+    assert top.dtype == torch.float32 and torch.equal(top, ref_top)
+    assert float(top) == float(mean_of(parts).max())
+    assert above == ref_above == int((mean_of(parts).view(torch.int32) > bounds[1]).sum())
+    assert keys.size > 0.01 * d
+    np.testing.assert_array_equal(np.sort(keys), np.sort(ref_keys))
+
+
+def test_magnitude_counts_equal_the_inductor_pass() -> None:
+    x = torch.randn(500_003, generator=torch.Generator().manual_seed(5))
+    x[:100] = -x[100:200]  # equal magnitudes of both signs
+    bounds = _bounds(x, True, 0.7, 0.75)
+    top, above, keys = bracket_counts([x], True, bounds)
+    _, ref_above, ref_keys = bracket_counts([x], True, bounds, native=False)
+    assert float(top) == 0.0 and above == ref_above
+    np.testing.assert_array_equal(np.sort(keys), np.sort(ref_keys))
+
+
+def test_a_bracket_over_most_entries_falls_back_to_the_inductor_pass() -> None:
+    parts = _fishers(2, 400_000, torch.bfloat16, 9)
+    bounds = _bounds(mean_of(parts), False, 0.0, 0.99)  # 99 % candidates: over the buffer
+    assert native_select.pooled_bracket_counts(parts, False, bounds) is None
+    top, above, keys = bracket_counts(parts, False, bounds)
+    ref = mean_of(parts).view(torch.int32).clamp(min=0).numpy()
+    assert above == int((ref > bounds[1]).sum())
+    assert keys.size == int(((ref >= bounds[0]) & (ref <= bounds[1])).sum())
+    assert float(top) == float(mean_of(parts).max())
+
+
+def test_unsupported_inputs_are_left_to_the_caller() -> None:
+    half = [torch.rand(1000, dtype=torch.float16)]
+    assert not native_select.supported(half, False)
+    assert not native_select.supported([torch.rand(10), torch.rand(11)], False)
+    assert not native_select.supported([torch.rand(10).bfloat16()], True)  # histogrammed
+    assert native_select.pooled_bracket_counts(half, False, (0, 1)) is None
+
+
+_LOAD = (
+    "from fedunlearn.merging import native_select as n; import sys; "
+    "sys.exit(0 if n.library() is not None else 3)"
+)
+
+
+def test_two_processes_build_the_library_at_once(tmp_path: Path) -> None:
+    env = {**os.environ, "FEDUNLEARN_CACHE_DIR": str(tmp_path)}
+    racers = [subprocess.Popen([sys.executable, "-c", _LOAD], env=env) for _ in range(2)]
+    assert [r.wait(timeout=120) for r in racers] == [0, 0]
+    built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
+    assert len(built) == 1 and built[0].startswith("bracket-") and built[0].endswith(".so")
+    mtime = (tmp_path / "kernels" / built[0]).stat().st_mtime_ns
+    assert subprocess.run([sys.executable, "-c", _LOAD], env=env).returncode == 0
+    assert (tmp_path / "kernels" / built[0]).stat().st_mtime_ns == mtime  # reused, not rebuilt
