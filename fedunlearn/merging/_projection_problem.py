@@ -21,7 +21,8 @@ so every product (``F̃_k·Δ_base²`` included) is the one a float64 copy would
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ import torch
 
 from ._chunks import map_spans
 from .kernels import run_kernel, use_compiled
+from .native import gather_support
 
 #: ``auto`` compiles the projection's passes for tensors of at least this many entries (a solve
 #: makes tens of passes over the solver coordinates, so compiling pays off well below the
@@ -147,6 +149,24 @@ def _positions(
     return torch.from_numpy(np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64))
 
 
+def finite_non_negative(f: torch.Tensor) -> bool:
+    """Whether every entry of ``f`` is finite and non-negative (one pass, slice by slice)."""
+    flat = f.reshape(-1)
+
+    def part(span: slice) -> bool:
+        lo, hi = torch.aminmax(flat[span])  # NaN propagates into both and fails both tests
+        return float(lo) >= 0.0 and float(hi) < math.inf
+
+    return all(map_spans(part, flat.numel(), flat.device))
+
+
+def _check_fishers(fishers: Sequence[torch.Tensor], suspects: Iterable[int]) -> None:
+    """Refuse the first ``F̃_k`` among ``suspects`` that is not finite and non-negative."""
+    for k in suspects:
+        if not finite_non_negative(fishers[k]):
+            raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
+
+
 def _solver_support(flat: torch.Tensor, fishers: Sequence[torch.Tensor]) -> torch.Tensor:
     """Solver coordinates: in the support of some ``F̃_k``, with ``Δ_base(j) ≠ 0`` (ascending).
 
@@ -217,13 +237,26 @@ class Restricted:
     norm_sq: float
 
     @classmethod
-    def of(cls, flat: torch.Tensor, fishers: Sequence[torch.Tensor]) -> Restricted:
+    def of(
+        cls, flat: torch.Tensor, fishers: Sequence[torch.Tensor], check: bool = False
+    ) -> Restricted:
+        """The problem of the flat ``Δ_base`` under ``fishers``; ``check``: first refuse an
+        ``F̃_k`` that is not finite and non-negative (``ValueError`` naming ``k``)."""
         flat_f = [f.reshape(-1).to(flat.device) for f in fishers]
-        idx = _solver_support(flat, flat_f)
-        narrow = all(t.dtype in _NARROW for t in [flat, *flat_f])
         compiled = use_compiled([flat], COMPILE_MIN_ENTRIES)
-        cols = _gather([flat, *flat_f], idx, torch.float32 if narrow else torch.float64, compiled)
-        base, fs = cols[0], cols[1:]
+        gathered = gather_support(flat, flat_f) if compiled else None
+        if gathered is None:
+            if check:
+                _check_fishers(flat_f, range(len(flat_f)))
+            idx = _solver_support(flat, flat_f)
+            narrow = all(t.dtype in _NARROW for t in [flat, *flat_f])
+            dtype = torch.float32 if narrow else torch.float64
+            cols = _gather([flat, *flat_f], idx, dtype, compiled)
+            base, fs = cols[0], cols[1:]
+        else:
+            idx, base, fs, bad = gathered
+            if check:
+                _check_fishers(flat_f, bad)
         m = len(fs)
         lam = torch.zeros(m, dtype=torch.float64)
         sums = (

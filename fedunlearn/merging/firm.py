@@ -219,7 +219,7 @@ def _pooled_sparsifier(
     (reading the raw Fishers once more costs less memory traffic than writing and re-reading a
     float32 ``F``).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`; with it,
     through the same counting pass (the C function of
-    :mod:`~fedunlearn.merging.native_select` reads a lone 16-bit Fisher in less time than its
+    :mod:`~fedunlearn.merging.native` reads a lone 16-bit Fisher in less time than its
     histogram takes).
     """
     flats = [f.reshape(-1) for f in fishers]

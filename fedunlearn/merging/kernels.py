@@ -33,7 +33,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._chunks import CHUNK, map_spans
-from .native_select import pooled_bracket_counts
+from .native import pooled_bracket_counts
 
 #: Environment variable choosing the kernels: ``auto``, ``compiled`` or ``eager``.
 MODE_ENV = "FEDUNLEARN_MERGE_KERNELS"
@@ -201,7 +201,7 @@ def bracket_counts(
 ) -> tuple[torch.Tensor, int, np.ndarray]:
     """``(max v, #{key > hi}, the keys in [lo, hi])`` over flat ``parts``, slice by slice.
 
-    With ``native``, counted by the C function of :mod:`~fedunlearn.merging.native_select`
+    With ``native``, counted by the C function of :mod:`~fedunlearn.merging.native`
     (one pass, only the candidates written) where it is built and takes the parts; otherwise
     keys and values as in :func:`bracket_kernel`, compiled, on slices of :data:`COUNT_SLICE`
     entries (each call costs a fixed fraction of a millisecond), and the candidates (a few per

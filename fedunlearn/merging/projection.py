@@ -179,8 +179,6 @@ def project_retention(
                 f"retain Fisher #{k} has shape {tuple(f.shape)}, "
                 f"delta_base has {tuple(delta_base.shape)}"
             )
-        if not _finite_non_negative(f):
-            raise ValueError(f"retain Fisher #{k} must be finite and non-negative")
     return _project_checked(
         delta_base,
         fishers,
@@ -189,18 +187,8 @@ def project_retention(
         max_iter=max_iter,
         tol=tol,
         out_dtype=delta_base.dtype if out_dtype is None else out_dtype,
+        check_fishers=True,
     )
-
-
-def _finite_non_negative(f: torch.Tensor) -> bool:
-    """Whether every entry of ``f`` is finite and non-negative (one pass, slice by slice)."""
-    flat = f.reshape(-1)
-
-    def part(span: slice) -> bool:
-        lo, hi = torch.aminmax(flat[span])  # NaN propagates into both and fails both tests
-        return float(lo) >= 0.0 and float(hi) < math.inf
-
-    return all(map_spans(part, flat.numel(), flat.device))
 
 
 def _cast_flat(flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -223,15 +211,18 @@ def _project_checked(
     max_iter: int,
     tol: float | None,
     out_dtype: torch.dtype,
+    check_fishers: bool = False,
 ) -> tuple[torch.Tensor, dict]:
     """:func:`project_retention` on validated arguments (``out_dtype`` resolved).
 
-    Damages are summed over the solver coordinates only (they are zero elsewhere).
+    ``check_fishers``: refuse an ``F̃_k`` that is not finite and non-negative first (checked
+    in the pass that gathers the solver coordinates, where that pass is the C one).  Damages
+    are summed over the solver coordinates only (they are zero elsewhere).
     """
     m = len(fishers)
     tau = max(1e-4 * epsilon, 1e-12) if tol is None else float(tol)
     flat = delta_base.reshape(-1)
-    prob = Restricted.of(flat, fishers)
+    prob = Restricted.of(flat, fishers, check=check_fishers)
     damage_before = [float(x) for x in prob.start.b]
     lam = [0.0] * m
     iterations = 0

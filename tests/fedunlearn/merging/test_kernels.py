@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fedunlearn.merging import firm_merge, fulm_merge, kernels, native_select, ties_merge
+from fedunlearn.merging import firm_merge, fulm_merge, kernels, native, ties_merge
 from fedunlearn.merging.base import ClientUpdate
 
 
@@ -37,18 +37,18 @@ def test_unknown_mode_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler for inductor")
-@pytest.mark.parametrize("native", [True, False])  # the C counting pass, or inductor's
+@pytest.mark.parametrize("c_pass", [True, False])  # the C counting pass, or inductor's
 @pytest.mark.parametrize("epsilon", [float("inf"), 1e-3])
 def test_compiled_firm_equals_eager(
-    monkeypatch: pytest.MonkeyPatch, epsilon: float, native: bool
+    monkeypatch: pytest.MonkeyPatch, epsilon: float, c_pass: bool
 ) -> None:
     ups = _clients((613, 700), torch.bfloat16)  # > SMALL entries: the fused bracket count runs
     monkeypatch.setenv(kernels.MODE_ENV, "eager")
     eager = firm_merge(ups, alpha=0.1, epsilon=epsilon)
     monkeypatch.setenv(kernels.MODE_ENV, "compiled")
     monkeypatch.setattr(kernels, "COUNT_SLICE", 1 << 16)  # the counts over several slices
-    monkeypatch.setattr(native_select, "SLICE", 1 << 16)
-    if not native:
+    monkeypatch.setattr(native, "SLICE", 1 << 16)
+    if not c_pass:
         monkeypatch.setattr(kernels, "pooled_bracket_counts", lambda *args: None)
     compiled = firm_merge(ups, alpha=0.1, epsilon=epsilon)
     assert torch.equal(compiled.delta["w"], eager.delta["w"])

@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedunlearn.merging import native_select
+from fedunlearn.merging import kernels, native, project_retention
 from fedunlearn.merging.kernels import bracket_counts, mean_of
 
 pytestmark = pytest.mark.skipif(
-    native_select.library() is None, reason="no C compiler for the counting pass"
+    native.library() is None, reason="no C compiler for the counting pass"
 )
 
 
@@ -48,11 +48,11 @@ def _bounds(values: torch.Tensor, magnitude: bool, low: float, high: float) -> t
 def test_pooled_counts_equal_the_inductor_pass(
     monkeypatch: pytest.MonkeyPatch, dtypes: tuple[torch.dtype, ...], d: int
 ) -> None:
-    monkeypatch.setattr(native_select, "SLICE", 1 << 16)  # several slices over the threads
+    monkeypatch.setattr(native, "SLICE", 1 << 16)  # several slices over the threads
     fishers = _fishers(len(dtypes), d, torch.float32, 3)
     parts = [p.to(dt) for p, dt in zip(fishers, dtypes, strict=True)]
     bounds = _bounds(mean_of(parts), False, 0.88, 0.90)
-    counted = native_select.pooled_bracket_counts(parts, False, bounds)
+    counted = native.pooled_bracket_counts(parts, False, bounds)
     assert counted is not None
     top, above, keys = counted
     ref_top, ref_above, ref_keys = bracket_counts(parts, False, bounds, native=False)
@@ -76,7 +76,7 @@ def test_magnitude_counts_equal_the_inductor_pass() -> None:
 def test_a_bracket_over_most_entries_falls_back_to_the_inductor_pass() -> None:
     parts = _fishers(2, 400_000, torch.bfloat16, 9)
     bounds = _bounds(mean_of(parts), False, 0.0, 0.99)  # 99 % candidates: over the buffer
-    assert native_select.pooled_bracket_counts(parts, False, bounds) is None
+    assert native.pooled_bracket_counts(parts, False, bounds) is None
     top, above, keys = bracket_counts(parts, False, bounds)
     ref = mean_of(parts).view(torch.int32).clamp(min=0).numpy()
     assert above == int((ref > bounds[1]).sum())
@@ -86,14 +86,14 @@ def test_a_bracket_over_most_entries_falls_back_to_the_inductor_pass() -> None:
 
 def test_unsupported_inputs_are_left_to_the_caller() -> None:
     half = [torch.rand(1000, dtype=torch.float16)]
-    assert not native_select.supported(half, False)
-    assert not native_select.supported([torch.rand(10), torch.rand(11)], False)
-    assert not native_select.supported([torch.rand(10).bfloat16()], True)  # histogrammed
-    assert native_select.pooled_bracket_counts(half, False, (0, 1)) is None
+    assert not native.supported(half, False)
+    assert not native.supported([torch.rand(10), torch.rand(11)], False)
+    assert not native.supported([torch.rand(10).bfloat16()], True)  # histogrammed
+    assert native.pooled_bracket_counts(half, False, (0, 1)) is None
 
 
 _LOAD = (
-    "from fedunlearn.merging import native_select as n; import sys; "
+    "from fedunlearn.merging import native as n; import sys; "
     "sys.exit(0 if n.library() is not None else 3)"
 )
 
@@ -103,7 +103,59 @@ def test_two_processes_build_the_library_at_once(tmp_path: Path) -> None:
     racers = [subprocess.Popen([sys.executable, "-c", _LOAD], env=env) for _ in range(2)]
     assert [r.wait(timeout=120) for r in racers] == [0, 0]
     built = sorted(p.name for p in (tmp_path / "kernels").iterdir())
-    assert len(built) == 1 and built[0].startswith("bracket-") and built[0].endswith(".so")
+    assert len(built) == 1 and built[0].startswith("merge-loops-") and built[0].endswith(".so")
     mtime = (tmp_path / "kernels" / built[0]).stat().st_mtime_ns
     assert subprocess.run([sys.executable, "-c", _LOAD], env=env).returncode == 0
     assert (tmp_path / "kernels" / built[0]).stat().st_mtime_ns == mtime  # reused, not rebuilt
+
+
+def _problem(d: int, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(11)
+    base = torch.randn(d, generator=gen).to(dtype)
+    base[::7] = 0.0
+    fishers = []
+    for _ in range(m):
+        f = torch.randn(d, generator=gen).mul_(2).exp_()
+        f = torch.where(f > f.quantile(0.9), f / f.max(), torch.zeros(()))  # top-10 % kept
+        fishers.append(f.to(dtype))
+    return base, fishers
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3])
+def test_support_gather_equals_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, m: int
+) -> None:
+    monkeypatch.setattr(native, "SLICE", 1 << 16)
+    d = 300_007  # slices of 2^16 and a tail that is not a multiple of 16
+    base, fishers = _problem(d, m, dtype)
+    gathered = native.gather_support(base, fishers)
+    assert gathered is not None
+    idx, values, cols, bad = gathered
+    keep = (torch.stack(fishers).sum(0) != 0) & (base != 0)
+    expected = torch.nonzero(keep).squeeze(1)
+    assert bad == [] and 0 < idx.numel() < d
+    assert torch.equal(idx, expected)
+    assert values.dtype == torch.float32 and torch.equal(values, base[expected].float())
+    for col, f in zip(cols, fishers, strict=True):
+        assert torch.equal(col, f[expected].float())
+
+
+@pytest.mark.parametrize("poison", [-1e-3, float("inf"), float("nan")])
+def test_support_gather_names_the_bad_fisher(poison: float) -> None:
+    base, fishers = _problem(100_003, 3, torch.float32)
+    fishers[1][99_999] = poison  # in the scalar tail
+    fishers[2][12_345] = poison  # in the vector loop
+    gathered = native.gather_support(base, fishers)
+    assert gathered is not None and gathered[3] == [1, 2]
+
+
+@pytest.mark.parametrize("mode", ["eager", "compiled"])  # compiled: the C pass checks them
+def test_projection_refuses_a_bad_fisher_in_either_pass(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    monkeypatch.setenv(kernels.MODE_ENV, mode)
+    base, fishers = _problem(50_000, 3, torch.float32)
+    fishers[2][40_000] = float("nan")
+    with pytest.raises(ValueError, match=r"retain Fisher #2 must be finite and non-negative"):
+        project_retention(base, fishers, 1e-3)
