@@ -223,7 +223,7 @@ def _build(compiler: str) -> Path:
     library = folder / f"merge-loops-{digest}.so"
     if library.exists():
         return library
-    folder.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     source = temp_path(folder / f"merge-loops-{digest}.c")
     built = temp_path(library)
     try:
