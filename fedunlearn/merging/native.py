@@ -243,7 +243,7 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built C function (loaded once per process), or ``None`` where it cannot be built."""
+    """The built C functions (loaded once per process), or ``None`` where they cannot be built."""
     compiler = _compiler()
     if compiler is None:
         return None
@@ -291,11 +291,7 @@ def supported(parts: Sequence[torch.Tensor], magnitude: bool) -> bool:
     """Whether :func:`pooled_bracket_counts` takes these flat parts (before building anything)."""
     if not parts or (magnitude and (len(parts) != 1 or parts[0].dtype != torch.float32)):
         return False
-    d = parts[0].numel()
-    return all(
-        p.dtype in _KINDS and p.device.type == "cpu" and p.dim() == 1 and p.numel() == d
-        for p in parts
-    )
+    return _flat_supported(parts)
 
 
 def pooled_bracket_counts(
@@ -340,6 +336,7 @@ def pooled_bracket_counts(
 
 
 def _flat_supported(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every tensor is a flat bfloat16 / float32 CPU tensor of the first's length."""
     d = tensors[0].numel()
     return all(
         t.dtype in _KINDS and t.device.type == "cpu" and t.dim() == 1 and t.numel() == d
