@@ -197,6 +197,20 @@ int64_t fedunlearn_support(const void *base, int32_t base_kind, const void *cons
 """
 
 
+_PTR, _I32, _I64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+#: Argument types of the C functions (all return an int64 count).
+_SIGNATURES = {
+    "fedunlearn_bracket": [
+        *(ctypes.POINTER(_PTR), ctypes.POINTER(_I32), _I32, _I32, _I64, _I64, _I32, _I32),
+        *(_PTR, _I64, ctypes.POINTER(_I64), ctypes.POINTER(_I32)),
+    ],
+    "fedunlearn_support": [
+        *(_PTR, _I32, ctypes.POINTER(_PTR), ctypes.POINTER(_I32), _I32, _I64, _I64),
+        *(_PTR, _PTR, ctypes.POINTER(_PTR), ctypes.POINTER(_I64)),
+    ],
+}
+
+
 def _cpu_signature() -> str:
     """The CPU's model and feature flags (``-march=native`` code is only valid on such a CPU)."""
     try:
@@ -253,37 +267,9 @@ def library() -> ctypes.CDLL | None:
         detail = exc.stderr if isinstance(exc, subprocess.CalledProcessError) else exc
         log.warning("native merge loops unavailable (inductor kernels used): %s", detail)
         return None
-    fn = lib.fedunlearn_bracket
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_int32,
-        ctypes.c_int32,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_int32,
-        ctypes.c_int32,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.POINTER(ctypes.c_int64),
-        ctypes.POINTER(ctypes.c_int32),
-    ]
-    support = lib.fedunlearn_support
-    support.restype = ctypes.c_int64
-    support.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int32,
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_int32),
-        ctypes.c_int32,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_void_p,
-        ctypes.POINTER(ctypes.c_void_p),
-        ctypes.POINTER(ctypes.c_int64),
-    ]
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int64, argtypes
     return lib
 
 
@@ -327,10 +313,8 @@ def pooled_bracket_counts(
     if any(c is None for c in counted):
         return None
     done = [c for c in counted if c is not None]
-    top_key = max(c[1] for c in done)
+    top_key = 0 if magnitude else max(c[1] for c in done)  # magnitudes report no maximum
     top = torch.tensor([top_key], dtype=torch.int32).view(torch.float32)[0]
-    if magnitude:
-        top = torch.zeros((), dtype=torch.float32)
     keys = np.concatenate([c[2] for c in done]).astype(np.int64)
     return top, sum(c[0] for c in done), keys
 
