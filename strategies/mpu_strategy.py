@@ -25,36 +25,45 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from logging import WARNING
 from typing import Any, cast
 
+import numpy as np
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.mpu import (
-    HarmonicAggregator,
+    HarmonicUpload,
     LayerTransform,
+    UploadParts,
     alphas,
     derive_seed,
     draw_transforms,
-    invert_delta,
-    invert_fisher,
     layer_groups,
     layer_sigmas,
-    noisy_copy,
-    perturbed_copies,
+    noised_tensors,
     plan_reparam,
+    published_tensors,
     sigma_per_tensor,
 )
 from fedunlearn.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, OneOf, option, option_group
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
-from wire.messages import decoded_arrays
+from strategies.upload_spool import UploadSpool
+from wire.delivery import (
+    BASE_OFFER_KEY,
+    BASE_SHA_KEY,
+    DELIVERY_KEY,
+    DELTA,
+    model_sha_key,
+    state_sha256,
+    tensor_digest,
+)
 
 MPU_MODES = ("mpu", "clean", "noised")
 #: ``mpu.publish``: fresh copies for every client, or one set of copies for the whole round.
@@ -196,13 +205,14 @@ class MpuStrategy(MergeStrategy):
         self.alphas = alphas(self.copies)
         self.bytes_to_clients: dict[int, int] = {}
         self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
-        # θ of the round being published and its per-tensor σ and shared-noise σ_η
-        self._round_state: (
-            tuple[int, dict[str, torch.Tensor], dict[str, float], dict[str, float]] | None
-        ) = None
+        # the per-tensor σ and shared-noise σ_η of the round being published (θ itself is
+        # read from the round's ArrayRecord one tensor at a time, never copied)
+        self._round_state: tuple[int, dict[str, float], dict[str, float]] | None = None
         self.sigma_per_layer: dict[int, float] = {}  # σ_ℓ of the last published round
-        # per-round publishing: the round's copies as sent, and their bytes
-        self._published: tuple[int, dict[str, ArrayRecord], int] | None = None
+        # per-round publishing: the round's copies as sent (every node's records share them)
+        self._published: tuple[int, list[PublishedCopy]] | None = None
+        if self.spool is not None and not isinstance(self.spool, CopySpool):
+            self.spool = CopySpool(self.spool.folder)  # a reply's copies go to disk as read
         # T_k of the current round by (client key, copy), drawn once for publish and map back
         self._transforms: tuple[int, dict[tuple[int | str, int], TransformSet]] = (0, {})
 
@@ -254,32 +264,28 @@ class MpuStrategy(MergeStrategy):
             )
         return cache[(key, copy)]
 
-    def _state_and_sigmas(
+    def _round_inputs(
         self, server_round: int, arrays: ArrayRecord
-    ) -> tuple[dict[str, torch.Tensor], dict[str, float], dict[str, float]]:
-        """θ as tensors, σ per perturbed tensor and the shared noise's σ_η = κ_η·RMS(layer ℓ)
-        per tensor, computed once per round."""
+    ) -> tuple[Mapping[str, torch.Tensor], dict[str, float], dict[str, float]]:
+        """θ read from ``arrays`` one tensor at a time, σ per perturbed tensor and the shared
+        noise's σ_η = κ_η·RMS(layer ℓ) per tensor (computed once per round)."""
+        state = RecordTensors(arrays)
         if self._round_state is None or self._round_state[0] != server_round:
-            state = arrays.to_torch_state_dict()
             groups = layer_groups(state.keys(), self.num_layers)
             per_layer = layer_sigmas(state, groups, 1.0, reference=self.sigma_reference)
             rms = sigma_per_tensor(groups, per_layer)
             sigmas = {name: self.kappa * value for name, value in rms.items()}
             shared = {name: self.shared_kappa * value for name, value in rms.items()}
             self.sigma_per_layer = {layer: self.kappa * v for layer, v in per_layer.items()}
-            self._round_state = (server_round, state, sigmas, shared)
-        return self._round_state[1], self._round_state[2], self._round_state[3]
+            self._round_state = (server_round, sigmas, shared)
+        return state, self._round_state[1], self._round_state[2]
 
-    def _copies(
-        self,
-        server_round: int,
-        position: int,
-        state: Mapping[str, torch.Tensor],
-        sigmas: Mapping[str, float],
-        shared: Mapping[str, float],
-    ) -> list[dict[str, torch.Tensor]]:
-        """T_k(θ + η + α_k ε⁰_k) for k = 1..m, η of σ ``shared`` (``noised``: θ + ε, one plain
-        Gaussian draw)."""
+    def _tensors(
+        self, server_round: int, position: int, arrays: ArrayRecord
+    ) -> Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]]:
+        """(name, θ's tensor, its copies) one tensor at a time: T_k(θ + η + α_k ε⁰_k) for
+        k = 1..m, η of σ_η (``noised``: θ + ε, one plain Gaussian draw; ``clean``: θ)."""
+        state, sigmas, shared = self._round_inputs(server_round, arrays)
         gen = torch.Generator().manual_seed(
             derive_seed(self._secret, server_round, self._client_key(position), "noise")
         )
@@ -287,21 +293,45 @@ class MpuStrategy(MergeStrategy):
             transforms = [
                 self.copy_transforms(server_round, position, k) for k in range(self.copies)
             ]
-            return perturbed_copies(
+            return published_tensors(
                 state, sigmas, self.alphas, gen, transforms, shared_sigmas=shared
             )
-        noise = {
-            name: torch.randn(state[name].shape, generator=gen).mul_(sigma)
-            for name, sigma in sigmas.items()
-        }
-        return [noisy_copy(state, noise, 1.0)]
+        if self.mode == "noised":
+            return noised_tensors(state, sigmas, gen)
+        return _exact_tensors(state)
+
+    def _build(
+        self, server_round: int, position: int, arrays: ArrayRecord, hashed: bool
+    ) -> list[PublishedCopy]:
+        """The m copies client ``position`` receives as Flower arrays, built one tensor at a
+        time (a tensor no copy changes travels as θ's own array); ``hashed``: with each
+        tensor's digest, to find what differs from θ_base and hash every copy."""
+        copies = [PublishedCopy() for _ in range(self.copies)]
+        for name, weight, tensors in self._tensors(server_round, position, arrays):
+            theta_digest = None
+            for copy, tensor in zip(copies, tensors, strict=True):
+                if tensor is weight:
+                    copy.arrays[name] = arrays[name]
+                    if hashed:
+                        theta_digest = theta_digest or tensor_digest(weight.numpy())
+                        copy.digests[name] = theta_digest
+                    continue
+                values = tensor.detach().contiguous().numpy()
+                copy.arrays[name] = Array.from_numpy_ndarray(values)
+                if hashed:
+                    copy.digests[name] = tensor_digest(values)
+            del tensors
+        for copy in copies:  # θ's order, as the global weights travel
+            copy.arrays = {name: copy.arrays[name] for name in arrays}
+        return copies
 
     # ---- hooks of MergeStrategy --------------------------------------------------------------
 
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
-        """m published copies for this node instead of the exact weights."""
+        """m published copies for this node instead of the exact weights: in full, or (a node
+        that holds θ_base) only the tensors of each copy that differ from θ_base."""
         started = time.perf_counter()
         try:
             return self._publish(server_round, position, arrays, node_config)
@@ -311,109 +341,192 @@ class MpuStrategy(MergeStrategy):
     def _publish(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
-        config = ConfigRecord({**dict(node_config), "mpu-copies": self.copies})
-        records, nbytes = self._records(server_round, position, arrays)
-        self.bytes_to_clients[position] = nbytes
-        return RecordDict({"config": config, **records})
-
-    def _records(
-        self, server_round: int, position: int, arrays: ArrayRecord
-    ) -> tuple[dict[str, ArrayRecord], int]:
-        """The ``arrays-<k>`` records client ``position`` receives and their payload bytes
-        (``per-round``: built by the round's first client, the same objects for the others)."""
-        if self._published is not None and self._published[0] == server_round:
-            return self._published[1], self._published[2]
-        state, sigmas, shared = self._state_and_sigmas(server_round, arrays)
-        if self.mode == "clean":
-            return {"arrays-0": arrays}, _nbytes(state)
-        copies = self._copies(server_round, position, state, sigmas, shared)
-        records, nbytes = {}, 0
-        for k in range(len(copies)):
-            published, copies[k] = copies[k], {}  # one copy's tensors alive beside its record
-            records[f"arrays-{k}"] = ArrayRecord(
-                {name: t.contiguous() for name, t in published.items()}
+        config: dict[str, Any] = {**dict(node_config), "mpu-copies": self.copies}
+        delta = self.delivery.why_full(list(self.node_assignment)[position]) is None
+        if self.mode == "clean" and not delta:  # the exact weights, as they are
+            self.bytes_to_clients[position] = _nbytes(arrays.values())
+            return RecordDict({"config": ConfigRecord(config), "arrays-0": arrays})
+        copies = self._copies(server_round, position, arrays, delta)
+        records = {}
+        for k, copy in enumerate(copies):
+            keys = copy.changed(self.delivery.base_digests) if delta else list(copy.arrays)
+            records[f"arrays-{k}"] = copy.record(keys)
+        if delta:
+            config.update(
+                {
+                    DELIVERY_KEY: DELTA,
+                    BASE_SHA_KEY: str(self.delivery.base_sha256),
+                    **{
+                        model_sha_key(k): copy.sha256(self.delivery.base_digests)
+                        for k, copy in enumerate(copies)
+                    },
+                    **({BASE_OFFER_KEY: self.delivery.offer} if self.delivery.offer else {}),
+                }
             )
-            nbytes += _nbytes(published)
-        if self.publish == "per-round":
-            self._published = (server_round, records, nbytes)
-        return records, nbytes
+        self.bytes_to_clients[position] = sum(_nbytes(r.values()) for r in records.values())
+        return RecordDict({"config": ConfigRecord(config), **records})
+
+    def _copies(
+        self, server_round: int, position: int, arrays: ArrayRecord, delta: bool
+    ) -> list[PublishedCopy]:
+        """Client ``position``'s copies (``per-round``: built by the round's first client and
+        kept for the others, hashed whenever some node declared a base)."""
+        if self.publish == "per-client":
+            return self._build(server_round, position, arrays, hashed=delta)
+        if self._published is None or self._published[0] != server_round:
+            hashed = self.delivery.base_sha256 is not None
+            self._published = (server_round, self._build(server_round, 0, arrays, hashed))
+        return self._published[1]
 
     def decode_reply(
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
-        """Map every copy's task vector and Fisher back and aggregate them harmonically."""
-        started = time.perf_counter()
+        """Check every copy in its own coordinates and return the client's update as a
+        harmonic aggregate of its mapped-back copies computed one weight at a time (with the
+        spool, from memory maps of the copies as uploaded)."""
+        started, before = time.perf_counter(), self.seconds["map_back"]
         try:
             return self._map_back(server_round, node_id, content)
-        finally:
-            self.seconds["map_back"] += time.perf_counter() - started
+        finally:  # the weights computed meanwhile (update validation) are part of this time
+            self.seconds["map_back"] = before + time.perf_counter() - started
+
+    def _count_map_back(self, seconds: float) -> None:
+        """A weight computed from the copies (see :class:`fedunlearn.mpu.HarmonicUpload`)."""
+        self.seconds["map_back"] += seconds
 
     def _map_back(
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
         position = list(self.node_assignment).index(node_id)
-        # every copy of the round was built before the first reply: θ and the sent records
-        # are no longer needed here (the messages hold what they send)
-        self._round_state = self._published = None
+        # every copy of the round was built before the first reply (the messages hold them)
+        self._published = None
         spec = self.reply_spec(node_id)
-        aggregator = HarmonicAggregator(out_dtype=torch.float32)
-        fisher_sum: dict[str, torch.Tensor] | None = None
-        keys: set[str] | None = None
+        task_vectors: list[UploadParts] = []
+        fishers: list[UploadParts] = []
         fields: dict[str, Any] = {}
-        for k, alpha in enumerate(self.alphas):
+        for k in range(self.copies):
             copy_content = _copy_reply(content, k, node_id)
-            # every copy is checked in its own coordinates before T⁻¹ touches it; the
-            # checked records are then read as dense tensors, one weight at a time
+            # every copy is checked in its own coordinates before T⁻¹ touches it
             fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
-            # validate_reply_content checked the record types (check_records)
-            delta: Mapping[str, torch.Tensor] = decoded_arrays(
-                cast(ArrayRecord, copy_content["task_vector"]), spec.shapes
-            )
-            fisher: Mapping[str, torch.Tensor] | None = (
-                decoded_arrays(cast(ArrayRecord, copy_content["fisher"]), spec.shapes)
-                if "fisher" in copy_content
-                else None
-            )
-            if keys is not None and (fisher is None) != (fisher_sum is None):
+            if k and ("fisher" in copy_content) != bool(fishers):
                 raise ReplyRejected(f"{node_id} copy {k}", "sent a Fisher on some copies only")
-            if keys is not None and set(delta) != keys:
+            # validate_reply_content checked the record types (check_records)
+            record = cast(ArrayRecord, copy_content["task_vector"])
+            task_vectors.append(self._parts(server_round, node_id, f"task_vector-{k}", record))
+            if k and task_vectors[k].keys() != task_vectors[0].keys():
                 raise ReplyRejected(f"{node_id} copy {k}", "sent another key set than copy 0")
-            keys = set(delta)
-            if self.mode == "mpu":
-                transforms = self.copy_transforms(server_round, position, k)
-                delta = invert_delta(delta, transforms)
-                fisher = invert_fisher(fisher, transforms) if fisher is not None else None
-            aggregator.add(delta, alpha)
-            if fisher is not None:
-                fisher_sum = _accumulate(fisher_sum, fisher)
+            if "fisher" in copy_content:
+                record = cast(ArrayRecord, copy_content["fisher"])
+                fishers.append(self._parts(server_round, node_id, f"fisher-{k}", record))
+        transforms = (
+            [self.copy_transforms(server_round, position, k) for k in range(self.copies)]
+            if self.mode == "mpu"
+            else None
+        )
         info = content["info"]
         combined = ClientUpdate(
             node_id=node_id,
             role=str(info["role"]),
             domain=str(info["domain"]),
             num_examples=int(fields["num_examples"]),
-            task_vector=aggregator.result(),
-            fisher=(
-                {n: (f / len(self.alphas)).float() for n, f in fisher_sum.items()}
-                if fisher_sum is not None
-                else None
+            task_vector=HarmonicUpload(
+                task_vectors,
+                self.alphas,
+                transforms,
+                fisher=False,
+                on_seconds=self._count_map_back,
             ),
+            fisher=HarmonicUpload(
+                fishers, self.alphas, transforms, fisher=True, on_seconds=self._count_map_back
+            )
+            if fishers
+            else None,
         )
         fields.update(
             mpu_copies=len(self.alphas), bytes_received=self.bytes_to_clients.get(position, 0)
         )
         return combined, fields
 
+    def _parts(
+        self, server_round: int, node_id: int, name: str, record: ArrayRecord
+    ) -> UploadParts:
+        """A validated copy record's parts: read from the reply or (with the spool) written to
+        disk now and read from a memory map."""
+        shapes = self.reply_spec(node_id).shapes
+        names = list(record)
+        if self.spool is None:
+            return UploadParts(names, lambda part: torch.from_numpy(record[part].numpy()), shapes)
+        self.spool.begin_round(server_round)
+        parts = {part: torch.from_numpy(record[part].numpy()) for part in names}
+        get_part = self.spool.store_record(node_id, name, parts)
+        return UploadParts(names, get_part, shapes)
 
-def _accumulate(
-    total: dict[str, torch.Tensor] | None, fisher: Mapping[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    """Σ_k F̂_k in float64 (a new sum for the first copy, in place after)."""
-    if total is None:
-        return {n: f.double() for n, f in fisher.items()}
-    for n, f in fisher.items():
-        total[n].add_(f)
-    return total
+
+class RecordTensors(Mapping[str, torch.Tensor]):
+    """The tensors of an ArrayRecord decoded one at a time when asked for (none kept)."""
+
+    def __init__(self, arrays: ArrayRecord) -> None:
+        self._arrays = arrays
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return torch.from_numpy(self._arrays[key].numpy())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._arrays)
+
+    def __len__(self) -> int:
+        return len(self._arrays)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._arrays
+
+
+@dataclass
+class PublishedCopy:
+    """One published copy as the Flower arrays it travels in (θ's order) and, where hashed,
+    every tensor's :func:`~wire.delivery.tensor_digest`."""
+
+    arrays: dict[str, Array] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict)
+
+    def changed(self, base_digests: Mapping[str, str]) -> list[str]:
+        """The tensors that differ from θ_base bit for bit: what a node holding θ_base needs."""
+        if set(self.digests) != set(base_digests):
+            raise ValueError("the copy's keys are not those of the base checkpoint")
+        return [name for name in self.arrays if self.digests[name] != base_digests[name]]
+
+    def sha256(self, base_digests: Mapping[str, str]) -> str:
+        """:func:`~wire.delivery.state_sha256` of the whole copy (what the node rebuilds)."""
+        return state_sha256({**base_digests, **self.digests})
+
+    def record(self, keys: list[str]) -> ArrayRecord:
+        """An ArrayRecord of ``keys`` holding the copy's own arrays (no bytes copied)."""
+        record = ArrayRecord()
+        for key in keys:
+            record[key] = self.arrays[key]
+        return record
+
+
+class CopySpool(UploadSpool):
+    """MPU's upload spool: :meth:`MpuStrategy.decode_reply` writes each copy's validated
+    upload as it reads it (:meth:`UploadSpool.store_record`) and returns an update that maps
+    them back from memory maps, which :meth:`store` hands on as it is."""
+
+    def store(
+        self, update: ClientUpdate, shapes: Mapping[str, tuple[int, ...]] | None
+    ) -> ClientUpdate:
+        if isinstance(update.task_vector, HarmonicUpload):
+            return update
+        return super().store(update, shapes)
+
+
+def _exact_tensors(
+    state: Mapping[str, torch.Tensor],
+) -> Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]]:
+    """The ``clean`` baseline's one copy, θ itself, as ``_tensors`` yields copies."""
+    for name in state:
+        weight = state[name]
+        yield name, weight, [weight]
 
 
 def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:
@@ -431,5 +544,6 @@ def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:
     return out
 
 
-def _nbytes(state: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in state.values())
+def _nbytes(arrays: Iterable[Array]) -> int:
+    """Payload bytes of Flower arrays (their values, without the serialisation's header)."""
+    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in arrays)

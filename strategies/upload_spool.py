@@ -16,7 +16,7 @@ a new round starts, everything when the run ends.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -88,6 +88,15 @@ class UploadSpool:
         disk one tensor at a time."""
         handle = self._write(node_id, {k: v.contiguous() for k, v in state.items()})
         return DecodedTensors(list(handle.keys()), handle.get_tensor)
+
+    def store_record(
+        self, node_id: int, record: str, parts: Mapping[str, torch.Tensor]
+    ) -> Callable[[str], torch.Tensor]:
+        """Write one uploaded record's flat parts as received (MPU: one copy's task vector or
+        Fisher, ``record`` its name) to ``node-<node_id>-<record>.safetensors``; a reader of
+        one part from a memory map of that file."""
+        handle = self._write(f"{node_id}-{record}", {k: v.contiguous() for k, v in parts.items()})
+        return handle.get_tensor
 
     def _write(self, node_id: int | str, tensors: dict[str, torch.Tensor]):
         """Save ``tensors`` as ``node-<node_id>.safetensors`` (atomically) and open it."""

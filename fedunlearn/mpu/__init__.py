@@ -7,12 +7,14 @@ Pure torch (no Flower). Per round r and forget client the server
 3. publishes θ_pub,k = T_k(θ + α_k ε⁰_k) with a secret function-preserving T_k (:mod:`.reparam`;
    which architectures T supports, partially or not at all: :mod:`.support`),
 4. maps each returned update back, Δ̂_k = T_k⁻¹(Δ_k) (LoRA factors as factors:
-   :mod:`.uploads`), and aggregates harmonically, Δ̄ = S₁/S₀ (:mod:`.aggregate`).
+   :mod:`.uploads`), and aggregates harmonically, Δ̄ = S₁/S₀ (:mod:`.aggregate`; one weight
+   at a time from the copies' uploads: :class:`.aggregate.HarmonicUpload`).
 
-:mod:`.publish` builds the m copies of steps 2–3 in one pass over the weights.
+:mod:`.publish` builds the m copies of steps 2–3 in one pass over the weights, one tensor at a
+time.
 """
 
-from .aggregate import HarmonicAggregator, plain_mean
+from .aggregate import HarmonicAggregator, HarmonicUpload, UploadParts, plain_mean
 from .keys import DEFAULT_SECRET_ENV_VAR, ServerSecret, derive_seed, server_secret
 from .noise import (
     LAYER_PATTERN,
@@ -26,7 +28,7 @@ from .noise import (
     zero_sum_draw,
     zero_sum_noise,
 )
-from .publish import perturbed_copies
+from .publish import noised_tensors, perturbed_copies, published_tensors
 from .reparam import (
     LayerTransform,
     ReparamDims,
@@ -53,11 +55,13 @@ __all__ = [
     "LAYER_PATTERN",
     "VERIFIED_MODEL_TYPES",
     "HarmonicAggregator",
+    "HarmonicUpload",
     "LayerTransform",
     "ReparamDims",
     "ReparamPlan",
     "ServerSecret",
     "UnsupportedArchitectureError",
+    "UploadParts",
     "alphas",
     "apply_transform",
     "derive_seed",
@@ -70,12 +74,14 @@ __all__ = [
     "layer_groups",
     "layer_sigmas",
     "map_back",
+    "noised_tensors",
     "noisy_copy",
     "parse_target",
     "perturb",
     "perturbed_copies",
     "plain_mean",
     "plan_reparam",
+    "published_tensors",
     "server_secret",
     "sigma_per_tensor",
     "transform_tensor",

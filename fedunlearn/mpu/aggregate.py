@@ -8,17 +8,28 @@ exactly (and are the only linear weights that do)::
 
 :class:`HarmonicAggregator` streams this sum: it keeps only S₀ = Σ α_k⁻¹ and
 S₁ = Σ α_k⁻¹ Δ̂_k, never the m updates themselves.
+
+:class:`HarmonicUpload` is one client's Δ̄ (or its Fisher, the plain mean of the mapped-back
+copies' diagonals) as a read-only mapping computed one weight at a time from the m copies'
+upload parts (:class:`UploadParts`: a reply's arrays or a memory-mapped file): asking for a
+weight decodes it from every copy, maps it back with T_k⁻¹ and sums it, so a merge that walks
+the weights holds about one dense tensor per client, never a client's whole update.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["HarmonicAggregator", "plain_mean"]
+from fedunlearn.upload_codec import decode_tensor, group_parts
+
+from .reparam import LayerTransform, invert_delta, invert_fisher
+
+__all__ = ["HarmonicAggregator", "HarmonicUpload", "UploadParts", "plain_mean"]
 
 
 class HarmonicAggregator:
@@ -107,3 +118,109 @@ def plain_mean(deltas: Sequence[Mapping[str, Tensor]]) -> dict[str, Tensor]:
     for delta in deltas:
         agg.add(delta, 1.0)
     return agg.result()
+
+
+class UploadParts:
+    """One uploaded record's flat parts (:mod:`fedunlearn.upload_codec` names) and how to read
+    one part (``get_part``: a reply's arrays, or a memory-mapped file); :meth:`decode` gives a
+    weight's dense tensor without keeping it."""
+
+    def __init__(
+        self,
+        names: list[str],
+        get_part: Callable[[str], Tensor],
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
+    ) -> None:
+        self.groups = group_parts(names)
+        self._get_part = get_part
+        self._shapes = shapes
+
+    def keys(self) -> list[str]:
+        """The weights, in upload order."""
+        return list(self.groups)
+
+    def decode(self, key: str) -> Tensor:
+        """Weight ``key``'s dense tensor (``UploadFormatError`` if its parts do not decode)."""
+        form, names = self.groups[key]
+        parts = {part: self._get_part(name) for part, name in names.items()}
+        shape = None if self._shapes is None else self._shapes.get(key)
+        return decode_tensor(key, form, parts, shape)
+
+
+class HarmonicUpload(Mapping[str, Tensor]):
+    """One client's update from its m copies, one weight at a time (the module docstring).
+
+    ``copies``: each copy's upload (all with the keys of the first); ``alphas``: α_1..α_m;
+    ``transforms``: T_1..T_m, or None where the copies are not reparameterised (the clean and
+    noised baselines); ``fisher``: False for the task vector, Δ̄ = S₁/S₀ in float32 exactly as
+    :class:`HarmonicAggregator` forms it from the mapped-back copies, True for the Fisher,
+    (Σ_k T_k⁻¹F_k) / m summed in float64 and returned in float32 (T⁻¹ of a diagonal:
+    :func:`.reparam.invert_fisher`). ``on_seconds`` is told the seconds each weight took. The
+    last weight computed is kept, so asking for it again (its dtype, then its values) computes
+    it once.
+    """
+
+    def __init__(
+        self,
+        copies: Sequence[UploadParts],
+        alphas: Sequence[float],
+        transforms: Sequence[Mapping[int, LayerTransform]] | None,
+        *,
+        fisher: bool,
+        on_seconds: Callable[[float], None] | None = None,
+    ) -> None:
+        if not copies or len(copies) != len(alphas):
+            raise ValueError(f"{len(copies)} uploads for {len(alphas)} copies")
+        if transforms is not None and len(transforms) != len(copies):
+            raise ValueError(f"{len(transforms)} transforms for {len(copies)} copies")
+        self.copies = list(copies)
+        self.alphas = [float(a) for a in alphas]
+        self.transforms = None if transforms is None else list(transforms)
+        self.fisher = fisher
+        self._keys = dict.fromkeys(copies[0].keys())
+        self._on_seconds = on_seconds
+        self._last: tuple[str, Tensor] | None = None
+
+    def _mapped(self, key: str, k: int) -> Tensor:
+        """Copy k's weight ``key`` in the server's coordinates."""
+        tensor = self.copies[k].decode(key)
+        if self.transforms is None:
+            return tensor
+        invert = invert_fisher if self.fisher else invert_delta
+        return invert({key: tensor}, self.transforms[k])[key]
+
+    def _compute(self, key: str) -> Tensor:
+        if self.fisher:
+            total: Tensor | None = None
+            for k in range(len(self.copies)):
+                mapped = self._mapped(key, k)
+                total = mapped.double() if total is None else total.add_(mapped)
+                del mapped
+            assert total is not None
+            return (total / len(self.copies)).float()
+        aggregator = HarmonicAggregator(out_dtype=torch.float32)
+        for k, alpha in enumerate(self.alphas):
+            aggregator.add({key: self._mapped(key, k)}, alpha)
+        return aggregator.result()[key]
+
+    def __getitem__(self, key: str) -> Tensor:
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        if key not in self._keys:
+            raise KeyError(key)
+        self._last = None  # the previous weight is dropped before the next is computed
+        started = time.perf_counter()
+        tensor = self._compute(key)
+        if self._on_seconds is not None:
+            self._on_seconds(time.perf_counter() - started)
+        self._last = (key, tensor)
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys

@@ -4,8 +4,33 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
 
+from fedunlearn.mpu import (
+    HarmonicAggregator,
+    derive_seed,
+    invert_delta,
+    invert_fisher,
+    layer_groups,
+    layer_sigmas,
+    noisy_copy,
+    perturbed_copies,
+    sigma_per_tensor,
+)
 from fedunlearn.scenarios import ClientAssignment
-from strategies.mpu_strategy import MpuStrategy
+from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector
+from strategies.mpu_strategy import MPU_PUBLISH, CopySpool, MpuStrategy
+from strategies.node_roles import NodeDeclaration
+from strategies.reply_validation import ReplyRejected
+from strategies.upload_spool import UploadSpool
+from wire.delivery import (
+    BASE_SHA_KEY,
+    DELIVERY_KEY,
+    DELTA,
+    model_sha_key,
+    record_digests,
+    state_sha256,
+    tensor_digest,
+)
+from wire.messages import decoded_arrays
 
 NODE = 17
 
@@ -109,6 +134,8 @@ def test_task_vector_sigma_uses_the_pretrained_weights(tiny_model):
     )
     by_task = MpuStrategy(sigma_reference=pretrained, **kwargs)
     by_weights = MpuStrategy(**kwargs)
+    for strategy in (by_task, by_weights):
+        strategy.node_assignment = {NODE: strategy.assignments[0]}
     by_task.node_content(1, 0, ArrayRecord(state), ConfigRecord())
     by_weights.node_content(1, 0, ArrayRecord(state), ConfigRecord())
     assert by_task.report()["sigma_source"] == "task-vector"
@@ -132,7 +159,7 @@ def _linear_reply(content, names, copies, eta=0.1):
 
 def test_per_round_sends_one_set_of_copies_to_every_client(tiny_model):
     """mpu.publish=per-round: the copies are built once per round and sent to every client
-    (the same records), drawn from keys of their own (not client 0's), fresh every round, and
+    (the same arrays), drawn from keys of their own (not client 0's), fresh every round, and
     every client's reply maps back with them."""
     state, arrays = _state(tiny_model), ArrayRecord(_state(tiny_model))
     assignments = [ClientAssignment("forget", "d", (i,)) for i in range(3)]
@@ -148,7 +175,10 @@ def test_per_round_sends_one_set_of_copies_to_every_client(tiny_model):
     strategy.node_assignment = {10 + i: a for i, a in enumerate(assignments)}
     sent = [strategy.node_content(1, p, arrays, ConfigRecord({"p": p})) for p in range(3)]
     for content in sent[1:]:
-        assert all(content[f"arrays-{k}"] is sent[0][f"arrays-{k}"] for k in range(2))
+        for k in range(2):
+            record, first = content[f"arrays-{k}"], sent[0][f"arrays-{k}"]
+            assert list(record) == list(state)
+            assert all(record[name] is first[name] for name in state)
     assert [c["config"]["p"] for c in sent] == [0, 1, 2]  # each client keeps its config
     assert strategy.report()["publish"] == "per-round"
     name = "model.layers.0.mlp.up_proj.weight"
@@ -176,6 +206,7 @@ def test_per_client_copies_differ_between_clients_and_keys_are_drawn_once(tiny_m
         secret=b"s",
         assignments=[ClientAssignment("forget", "d", (i,)) for i in range(2)],
     )
+    strategy.node_assignment = {10 + i: a for i, a in enumerate(strategy.assignments)}
     first, second = (strategy.node_content(1, p, arrays, ConfigRecord()) for p in (0, 1))
     name = "model.layers.1.self_attn.v_proj.weight"
     assert not torch.equal(
@@ -224,3 +255,173 @@ def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(ti
             shared_kappa=0.01,
             assignments=[ClientAssignment("forget", "d", (0,))],
         )
+
+
+def _old_copies(strategy, state, server_round=1, position=0):
+    """The copies as the strategy built them from a whole state dict before it streamed them
+    (σ from the state, the noise generator of the same key, every copy at once)."""
+    groups = layer_groups(state.keys(), strategy.num_layers)
+    rms = sigma_per_tensor(groups, layer_sigmas(state, groups, 1.0))
+    gen = torch.Generator().manual_seed(
+        derive_seed(strategy._secret, server_round, strategy._client_key(position), "noise")
+    )
+    sigmas = {n: strategy.kappa * v for n, v in rms.items()}
+    if strategy.mode == "noised":
+        noise = {n: torch.randn(state[n].shape, generator=gen).mul_(s) for n, s in sigmas.items()}
+        return [noisy_copy(state, noise, 1.0)]
+    transforms = [
+        strategy.copy_transforms(server_round, position, k) for k in range(strategy.copies)
+    ]
+    shared = {n: strategy.shared_kappa * v for n, v in rms.items()}
+    return perturbed_copies(state, sigmas, strategy.alphas, gen, transforms, shared_sigmas=shared)
+
+
+@pytest.mark.parametrize(
+    ("mode", "kwargs"), [("mpu", {}), ("mpu", {"shared_kappa": 0.02}), ("noised", {})]
+)
+def test_streamed_publishing_sends_the_whole_state_copies_bit_for_bit(tiny_model, mode, kwargs):
+    """The copies are drawn and serialised one tensor at a time from the ArrayRecord; what is
+    sent is bit for bit what building every copy from a state dict at once gave."""
+    state = _state(tiny_model)
+    strategy = _strategy(tiny_model, mode, copies=3, **kwargs)
+    content = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord())
+    expected = _old_copies(strategy, state)
+    assert len(expected) == strategy.copies
+    for k, copy in enumerate(expected):
+        sent = content[f"arrays-{k}"].to_torch_state_dict()
+        assert list(sent) == list(state)
+        assert all(torch.equal(sent[n], copy[n]) for n in state), k
+    assert strategy.bytes_to_clients[0] == strategy.copies * sum(
+        v.numel() * v.element_size() for v in state.values()
+    )
+
+
+def _compact_reply(content, names, copies, rank=3):
+    """Each copy's upload as a LoRA client sends it: factors (B from the copy's weights, so
+    every copy differs) and a top-10 % Fisher, in that copy's coordinates."""
+    gen = torch.Generator().manual_seed(5)
+    reply = RecordDict(
+        {
+            "metrics": MetricRecord({"num-examples": 2}),
+            "info": ConfigRecord({"role": "forget", "domain": "d", "objective": "ga"}),
+        }
+    )
+    for k in range(copies):
+        published = content[f"arrays-{k}"].to_torch_state_dict()
+        factors, fisher = {}, {}
+        for n in names:
+            weight = published[n]
+            a = torch.randn(rank, weight.shape[1], generator=gen)
+            factors[n] = LowRankDelta(weight[:, :rank].contiguous(), a, 0.5)
+            fisher[n] = weight.pow(2) + torch.rand(weight.shape, generator=gen)
+        reply[f"task_vector-{k}"] = ArrayRecord(encode_task_vector(factors, "factors"))
+        reply[f"fisher-{k}"] = ArrayRecord(encode_fisher(fisher, "topk", 0.1))
+    return reply
+
+
+def _old_map_back(strategy, reply, shapes, server_round=1, position=0):
+    """The update as the strategy formed it before it mapped back one weight at a time: every
+    copy's whole task vector and Fisher mapped back, S₁ and ΣF in float64 over all weights."""
+    aggregator, fisher_sum = HarmonicAggregator(out_dtype=torch.float32), None
+    for k, alpha in enumerate(strategy.alphas):
+        transforms = strategy.copy_transforms(server_round, position, k)
+        delta = invert_delta(decoded_arrays(reply[f"task_vector-{k}"], shapes), transforms)
+        fisher = invert_fisher(decoded_arrays(reply[f"fisher-{k}"], shapes), transforms)
+        aggregator.add(delta, alpha)
+        if fisher_sum is None:
+            fisher_sum = {n: f.double() for n, f in fisher.items()}
+        else:
+            for n, f in fisher.items():
+                fisher_sum[n].add_(f)
+    fisher_mean = {n: (f / len(strategy.alphas)).float() for n, f in fisher_sum.items()}
+    return aggregator.result(), fisher_mean
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_replies_map_back_one_weight_at_a_time_bit_for_bit(tiny_model, tmp_path, stream):
+    """Compact uploads (factors, top-k Fisher) of three copies: the update, computed one
+    weight at a time from the reply's arrays or (upload.stream) from the spooled copies after
+    the reply's arrays are gone, equals bit for bit the whole-update aggregation."""
+    state = _state(tiny_model)
+    spool = UploadSpool(tmp_path / "spool") if stream else None
+    strategy = _strategy(tiny_model, "mpu", copies=3, spool=spool)
+    arrays = ArrayRecord(state)
+    strategy.global_arrays = arrays
+    content = strategy.node_content(1, 0, arrays, ConfigRecord())
+    names = [n for n in state if n.endswith("_proj.weight")]
+    reply = _compact_reply(content, names, 3)
+    expected_tv, expected_fisher = _old_map_back(strategy, reply, strategy.reply_spec(NODE).shapes)
+    update, fields = strategy.decode_reply(1, NODE, reply)
+    assert fields["mpu_copies"] == 3
+    if stream:
+        assert isinstance(strategy.spool, CopySpool)
+        assert strategy.spool.store(update, None) is update  # already on disk
+        files = sorted(p.name for p in (tmp_path / "spool" / "round-1").iterdir())
+        assert files == [
+            f"node-{NODE}-{kind}-{k}.safetensors"
+            for kind in ("fisher", "task_vector")
+            for k in range(3)
+        ]
+        for name in list(reply.array_records):  # what MergeStrategy does after store
+            del reply[name]
+    assert list(update.task_vector) == names and list(update.fisher) == names
+    for n in names:
+        assert torch.equal(update.task_vector[n], expected_tv[n]), n
+        assert torch.equal(update.fisher[n], expected_fisher[n]), n
+    assert strategy.report()["server_seconds"]["map_back"] > 0
+    if stream:
+        strategy.spool.clear()
+        assert not (tmp_path / "spool").exists()
+
+
+def test_a_copy_with_another_key_set_or_fisher_is_refused(tiny_model):
+    state = _state(tiny_model)
+    strategy = _strategy(tiny_model, "mpu")
+    strategy.global_arrays = ArrayRecord(state)
+    content = strategy.node_content(1, 0, strategy.global_arrays, ConfigRecord())
+    names = [n for n in state if n.endswith("_proj.weight")]
+    reply = _compact_reply(content, names, 2)
+    del reply["fisher-1"]
+    with pytest.raises(ReplyRejected, match="Fisher on some copies only"):
+        strategy.decode_reply(1, NODE, reply)
+
+
+def test_a_node_holding_the_base_gets_only_what_each_copy_changes(tiny_model):
+    """With θ_base declared (ModelDelivery says the node gets the delta), copy k's record holds
+    only its tensors that differ from θ_base — every decoder-layer tensor, none of the
+    embeddings, final norm or LM head — and θ_base plus them hashes to model-sha256-<k>,
+    the hash of the full copy a node without the base receives."""
+    state = _state(tiny_model)
+    arrays = ArrayRecord(state)
+    assignments = [ClientAssignment("forget", "d", (i,)) for i in range(2)]
+    for publish in MPU_PUBLISH:
+        strategy = MpuStrategy(
+            merge="sum",
+            model_config=tiny_model.config,
+            secret=b"server-secret-for-tests",
+            kappa=0.05,
+            publish=publish,
+            assignments=assignments,
+        )
+        strategy.node_assignment = {10: assignments[0], 11: assignments[1]}
+        base_sha = state_sha256(record_digests(arrays))
+        strategy.delivery.declare({10: NodeDeclaration(10, base_sha256=base_sha)})
+        strategy.delivery.start_round(1, arrays)
+        delta, full = (strategy.node_content(1, p, arrays, ConfigRecord()) for p in (0, 1))
+        config = delta["config"]
+        assert config[DELIVERY_KEY] == DELTA and config[BASE_SHA_KEY] == base_sha
+        assert DELIVERY_KEY not in full["config"]
+        layer_keys = [n for n in state if ".layers." in n]
+        for k in range(2):
+            assert list(delta[f"arrays-{k}"]) == layer_keys
+            rebuilt = {**state, **delta[f"arrays-{k}"].to_torch_state_dict()}
+            digests = {n: tensor_digest(v.numpy()) for n, v in rebuilt.items()}
+            assert state_sha256(digests) == config[model_sha_key(k)]
+            if publish == "per-round":  # the same copies: the full record hashes alike
+                assert record_digests(full[f"arrays-{k}"]) == digests
+        sent = sum(
+            v.numel() * v.element_size()
+            for k in range(2)
+            for v in delta[f"arrays-{k}"].to_torch_state_dict().values()
+        )
+        assert strategy.bytes_to_clients[0] == sent < strategy.bytes_to_clients[1]

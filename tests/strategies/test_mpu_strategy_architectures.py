@@ -23,7 +23,7 @@ def _config(class_name: str, **extra):
 
 
 def _strategy(config, mode: str = "mpu", kappa: float = 0.05) -> MpuStrategy:
-    return MpuStrategy(
+    strategy = MpuStrategy(
         merge="sum",
         model_config=config,
         secret=b"architecture-test-secret",
@@ -32,6 +32,8 @@ def _strategy(config, mode: str = "mpu", kappa: float = 0.05) -> MpuStrategy:
         kappa=kappa,
         assignments=[ClientAssignment("forget", "d", (0,))],
     )
+    strategy.node_assignment = {1: strategy.assignments[0]}
+    return strategy
 
 
 @pytest.mark.parametrize(
