@@ -1,22 +1,30 @@
 """A node's base checkpoint: the server sends it only the weights that differ from it.
 
-A node declares a local copy of the checkpoint the server starts from, θ_base (a Hugging Face
-checkpoint folder), as ``base-checkpoint`` — in its node config (deployment:
-``flower-supernode --node-config "... base-checkpoint='/models/base'"``) or, for every node
-that declares none there, as ``model.base-checkpoint`` in the run config (simulation, where
-all nodes share one machine).
-It reports the sha256 of θ_base in its answer to the server's node query; where that matches
+A node's base θ_base is a Hugging Face checkpoint folder holding the weights the server
+starts from. It is, in this order:
+
+* ``base-checkpoint`` in the node's own node config (deployment: ``flower-supernode
+  --node-config "... base-checkpoint='/models/base'"``) — the opt-in of a real machine;
+* ``model.base-checkpoint`` in the run config, for every node that declares none;
+* in a simulation (a node whose node config holds only Flower's simulation keys), the folder
+  the server itself loaded its model from, which the server offers in the node query and in
+  every TRAIN message (``base-offer``): every node of a simulation runs on the server's
+  machine, so with ``model.delivery='auto'`` (the default) no node is sent the model it can
+  read from disk. A node that cannot read it reports why and gets the full model.
+
+The node reports the sha256 of θ_base in its answer to the node query; where that matches
 the server's initial weights, every TRAIN message carries only the weights of θ_round that
-differ from θ_base (round 1: none) and the node rebuilds θ_round from its copy
-(:func:`received_model`), checking the result against the hash the server sent.
+differ from θ_base (round 1: none) and the node loads θ_base straight from the folder into
+the model it trains and puts the received weights in place (:func:`received_model`), checking
+the result against the hash the server sent. No second copy of the weights is kept.
 
 The hash (:func:`state_sha256`) is over the weights as they travel in full (float32, every
 key of the model's ``state_dict``): a sha256 per tensor over its dtype, shape and bytes, then
 one sha256 over ``key<TAB>digest`` lines in sorted key order, so either side rehashes only
-the tensors that changed. The node loads its base in float32 with ``from_pretrained``, so
-its hash equals the server's when the server's model holds the file's values (a float32 run,
-or a bfloat16 file); a bfloat16 server model of a float32 file does not match, and the node
-gets the full model.
+the tensors that changed. The node hashes its base as float32, so its hash equals the
+server's when the server's model holds the file's values (a float32 run, or a bfloat16 file
+run in bfloat16); a bfloat16 server model of a float32 file does not match, and the node gets
+the full model.
 """
 
 from __future__ import annotations
@@ -28,30 +36,33 @@ import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from fedunlearn.models.llama import resolve_dtype
 from wire.delivery import (
     BASE_KEY,
+    BASE_OFFER_KEY,
     BASE_PROBLEM_KEY,
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
     FULL,
-    MODEL_SHA_KEY,
     RUN_BASE_KEY,
+    model_sha_key,
     state_sha256,
     tensor_digest,
 )
-from wire.messages import model_from_state, rebuild_model
+from wire.messages import finish_model, rebuild_model
 
 _STATE_KEY = "base-checkpoint-hash"  # context.state: the hash, computed once per node
+#: the node config Flower's simulation engine gives every virtual node, and nothing else
+SIMULATED_NODE_KEYS = frozenset({"partition-id", "num-partitions"})
 
 
 @dataclass(frozen=True)
 class BaseCheckpoint:
-    """θ_base as the server would send it: float32 CPU tensors and their digests."""
+    """θ_base's folder and its tensors' digests as the server would send them (float32)."""
 
     path: Path
     signature: str  # the folder's files (names, sizes, modification times)
-    state: dict[str, torch.Tensor]
     digests: dict[str, str]
 
     @property
@@ -59,12 +70,21 @@ class BaseCheckpoint:
         return state_sha256(self.digests)
 
 
-_loaded: dict[str, BaseCheckpoint] = {}  # one base per process (the last one loaded)
+_hashed: dict[str, BaseCheckpoint] = {}  # the digests of the bases this process hashed
 
 
-def declared_base(context: Context) -> Path | None:
-    """The node's ``base-checkpoint``: node config first, then run config; None when unset."""
+def simulated_node(context: Context) -> bool:
+    """Whether the node is a virtual node of a Flower simulation (its node config holds only
+    the partition keys the simulation engine sets)."""
+    return set(context.node_config) <= SIMULATED_NODE_KEYS
+
+
+def declared_base(context: Context, offer: str | None = None) -> Path | None:
+    """The node's θ_base folder: its ``base-checkpoint`` node config, the run config's
+    ``model.base-checkpoint``, or (a simulated node) the server's ``offer``; None when none."""
     value = context.node_config.get(BASE_KEY) or context.run_config.get(RUN_BASE_KEY)
+    if not value and offer and simulated_node(context):
+        value = offer
     return Path(str(value)).expanduser().resolve() if value else None
 
 
@@ -77,24 +97,27 @@ def folder_signature(path: Path) -> str:
 
 
 def load_base(path: Path) -> BaseCheckpoint:
-    """θ_base from ``path`` in float32 (as ``wire_state`` sends it), kept for the process."""
+    """θ_base's digests (float32, as ``wire_state`` sends it), hashed once per process while
+    the folder is unchanged; the weights themselves are not kept."""
     signature = folder_signature(path)
-    cached = _loaded.get(str(path))
+    cached = _hashed.get(str(path))
     if cached is not None and cached.signature == signature:
         return cached
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
-    state = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
-    digests = {k: tensor_digest(v.numpy()) for k, v in state.items()}
-    _loaded.clear()
-    _loaded[str(path)] = BaseCheckpoint(path, signature, state, digests)
-    return _loaded[str(path)]
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    digests = {
+        key: tensor_digest(value.detach().to("cpu", torch.float32).numpy())
+        for key, value in model.state_dict().items()
+    }
+    del model
+    _hashed[str(path)] = BaseCheckpoint(path, signature, digests)
+    return _hashed[str(path)]
 
 
-def base_declaration(context: Context) -> dict[str, str]:
+def base_declaration(context: Context, offer: str | None = None) -> dict[str, str]:
     """The query-reply fields about the node's base: ``base-sha256`` (cached in the node's
-    ``context.state`` while the folder is unchanged), ``base-problem`` when the declared base
-    cannot be read, nothing when the node declares none."""
-    path = declared_base(context)
+    ``context.state`` while the folder is unchanged), ``base-problem`` when the base cannot
+    be read, nothing when the node has none (``offer``: the server's starting checkpoint)."""
+    path = declared_base(context, offer)
     if path is None:
         return {}
     try:
@@ -109,21 +132,18 @@ def base_declaration(context: Context) -> dict[str, str]:
     return {BASE_SHA_KEY: sha256}
 
 
-def received_model(config: ConfigRecord, arrays: ArrayRecord, context: Context) -> PreTrainedModel:
+def received_model(
+    config: ConfigRecord, arrays: ArrayRecord, context: Context, copy: int | None = None
+) -> PreTrainedModel:
     """The model the server sent: ``arrays`` itself, or (``model-delivery`` =
     ``delta-from-base``) the node's base with ``arrays`` — the weights that differ — in
-    place, checked against ``base-sha256`` and ``model-sha256``; a mismatch raises a
-    ``ValueError`` naming the node and its base folder."""
+    place, checked against ``base-sha256`` and ``model-sha256`` (MPU copy ``copy``:
+    ``model-sha256-<copy>``); a mismatch raises a ``ValueError`` naming the node and its base
+    folder."""
     if str(config.get(DELIVERY_KEY, FULL)) != DELTA:
         return rebuild_model(config, arrays)
-    return model_from_state(config, rebuilt_state(config, arrays, context))
-
-
-def rebuilt_state(
-    config: ConfigRecord, arrays: ArrayRecord, context: Context
-) -> dict[str, torch.Tensor]:
-    """θ_round = θ_base with the received weights in place, its hash checked."""
-    node, path = context.node_id, declared_base(context)
+    node = context.node_id
+    path = declared_base(context, _offer(config))
     if path is None:
         raise ValueError(
             f"node {node}: the server sent only the weights that differ from a base "
@@ -135,7 +155,9 @@ def rebuilt_state(
             f"node {node}: base checkpoint {path} has sha256 {base.sha256}, the server's "
             f"base is {server_base} (the folder changed since the node query?)"
         )
-    state, digests = dict(base.state), dict(base.digests)
+    dtype = resolve_dtype(str(config.get("dtype", "float32")))
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
+    state, digests = model.state_dict(), dict(base.digests)
     for key in arrays:
         values = arrays[key].numpy()
         if key not in state or tuple(values.shape) != tuple(state[key].shape):
@@ -144,12 +166,18 @@ def rebuilt_state(
                 f"of base checkpoint {path}"
             )
         digests[key] = tensor_digest(values)
-        state[key] = torch.from_numpy(values)
-    server_model = str(config[MODEL_SHA_KEY])
+        with torch.no_grad():
+            state[key].copy_(torch.from_numpy(values))
+    server_model = str(config[model_sha_key(copy)])
     if state_sha256(digests) != server_model:
         raise ValueError(
             f"node {node}: the model rebuilt from base checkpoint {path} and {len(arrays)} "
             f"received weights has sha256 {state_sha256(digests)}, the server's is "
             f"{server_model}"
         )
-    return state
+    return finish_model(model)
+
+
+def _offer(config: ConfigRecord) -> str | None:
+    offer = config.get(BASE_OFFER_KEY)
+    return str(offer) if offer else None

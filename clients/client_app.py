@@ -37,6 +37,7 @@ from fedunlearn.training.lora import (
     train_lora_task_vector,
 )
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
+from wire.delivery import BASE_OFFER_KEY
 from wire.messages import (
     FIT_ACTION,
     config_list,
@@ -69,15 +70,18 @@ def query(msg: Message, context: Context) -> Message:
     Replies ``{"node-info": {"role": ..., "partition-id": ...}}`` with only the keys the
     node config sets (simulation: ``partition-id`` alone); the server maps the scenario's
     clients onto the nodes with it (``strategies.node_roles``). The data path stays local.
-    A node that declares a ``model.base-checkpoint`` also replies its ``base-sha256`` (or
-    ``base-problem``): ``clients.base_checkpoint``.
+    A node that has a base checkpoint (declared, or in a simulation the ``base-offer`` of the
+    server's query) also replies its ``base-sha256`` (or ``base-problem``):
+    ``clients.base_checkpoint``.
     """
     info: dict[str, ConfigRecordValues] = {
         key: context.node_config[key]
         for key in ("role", "partition-id")
         if key in context.node_config
     }
-    info.update(base_declaration(context))
+    asked = msg.content.config_records.get("node-info")
+    offer = asked.get(BASE_OFFER_KEY) if asked is not None else None
+    info.update(base_declaration(context, str(offer) if offer else None))
     return Message(content=RecordDict({"node-info": ConfigRecord(info)}), reply_to=msg)
 
 
@@ -133,14 +137,18 @@ def train(msg: Message, context: Context) -> Message:
         options=json.loads(str(config["objective-options-json"])),
     )
     copies = int(config_scalar(config, "mpu-copies", 0))
-    received = (
-        [typed_record(msg.content, "arrays", ArrayRecord, owner)]
-        if copies == 0
-        else [typed_record(msg.content, f"arrays-{k}", ArrayRecord, owner) for k in range(copies)]
-    )
+    names = ["arrays"] if copies == 0 else [f"arrays-{k}" for k in range(copies)]
     outputs = []
-    for arrays in received:
-        model = received_model(config, arrays, context)
+    for k, name in enumerate(names):
+        # the copy's weights move into the model and the message lets go of them: one copy of
+        # the model is alive at a time (the next copy is decoded after this one is trained)
+        model = received_model(
+            config,
+            typed_record(msg.content, name, ArrayRecord, owner),
+            context,
+            copy=k if copies else None,
+        )
+        del msg.content[name]
         outputs.append(
             local_update(
                 model,
@@ -152,6 +160,7 @@ def train(msg: Message, context: Context) -> Message:
                 alternate_examples=alternate_examples,
             )
         )
+        del model
     metrics = {
         **outputs[-1][2],
         "fisher-seconds": sum(o[2]["fisher-seconds"] for o in outputs),

@@ -131,6 +131,13 @@ class MergeStrategy(Strategy):
         With a spool (``upload.stream``), every validated upload is written to disk as it is
         read and merged from a memory map one weight at a time (``strategies.upload_spool``);
         without, uploads are decoded from the reply messages held in memory.
+    base_offer : str | None (default: None)
+        The checkpoint folder the initial weights were loaded from: a simulated node that
+        declares no base of its own and can read it gets only the weights that differ from
+        it (``strategies.model_delivery``).
+    delivery : str (default: "auto")
+        ``model.delivery``: ``auto`` sends a node holding the base only what differs from it,
+        ``full`` the whole model every round.
     """
 
     copies: int = 1  # copies of the model each node receives per round (MPU: m)
@@ -154,6 +161,8 @@ class MergeStrategy(Strategy):
         checkpoint: RunCheckpoint | None = None,
         round_offset: int = 0,
         spool: UploadSpool | None = None,
+        base_offer: str | None = None,
+        delivery: str = "auto",
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -192,7 +201,8 @@ class MergeStrategy(Strategy):
         self.round_peak_rss_bytes = 0  # the last round's peak resident memory (VmHWM)
         self.checkpoint = checkpoint
         self.round_offset = int(round_offset)
-        self.delivery = ModelDelivery()  # full model, or what differs from a node's base
+        # the full model, or what differs from a node's base
+        self.delivery = ModelDelivery(offer=base_offer, by_reference=delivery != "full")
 
     def summary(self) -> None:
         roles = [a.role for a in self.assignments]
@@ -214,7 +224,12 @@ class MergeStrategy(Strategy):
         self.global_arrays = arrays
 
         self.node_assignment, declarations = assign_and_declare(
-            grid, node_ids, self.assignments, self.node_wait_timeout, self.node_assignment
+            grid,
+            node_ids,
+            self.assignments,
+            self.node_wait_timeout,
+            self.node_assignment,
+            self.delivery.offer,
         )
         if declarations is not None:
             self.delivery.declare(declarations)

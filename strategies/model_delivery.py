@@ -1,24 +1,27 @@
 """What the server sends a node each round: the full model, or only what differs from its base.
 
 A node that holds the checkpoint the server started from, θ_base, declares it
-(``base-checkpoint``, see :mod:`clients.base_checkpoint`) and reports its hash in the node
-query. Where the hash equals the server's (``state_sha256`` of the initial weights, computed
-once, and only when some node declared a base), the node's TRAIN message holds only the
-weights of θ_round that differ bit for bit from θ_base — none in round 1, the merged targeted
-weights afterwards — with ``model-delivery = delta-from-base``, ``base-sha256`` and
-``model-sha256`` (the hash of θ_round, rehashing only the changed tensors once per round).
+(``base-checkpoint``, see :mod:`clients.base_checkpoint`) — or, a simulated node, takes the
+folder the server loaded its model from, which the server offers (``base-offer``) in the node
+query and the TRAIN config — and reports its hash in the node query. Where the hash equals the
+server's (``state_sha256`` of the initial weights, computed once, and only when some node
+declared a base), the node's TRAIN message holds only the weights of θ_round that differ bit
+for bit from θ_base — none in round 1, the merged targeted weights afterwards — with
+``model-delivery`` = ``delta-from-base``, ``base-sha256`` and ``model-sha256`` (the hash of
+θ_round). The server keeps θ_base only as its tensors' digests: from round 2 on it hashes
+θ_round once per round and sends the tensors whose digest changed.
 
-What is sent for a changed weight is θ_round's float32 value itself, not θ_round − θ_base:
-the same bytes, and exact (θ_base + (θ_round − θ_base) in float32 is not θ_round bit for bit).
+What is sent for a changed weight is θ_round's float32 value itself, not θ_round − θ_base: the
+same bytes, and exact (θ_base + (θ_round − θ_base) in float32 is not θ_round bit for bit).
 bfloat16 would not be exact (θ_round = θ_base + Δ in float32) and FIRM's merged Δ is a
 Fisher-weighted, masked sum of client updates, dense and not low rank, so neither is used.
 
-Every other node gets the full model, and the run log says why, once per node and reason: no
-base declared, the base could not be read, another hash, or a resumed run (the server holds
-the weights of its last round, not θ_base). Every node's report records
-``bytes_received`` (= ``bytes_received_model`` + ``bytes_received_config``: the serialised
-arrays, and every config key and value) and ``model_delivery`` of the last round, and
-``bytes_received_model_by_round`` (the model bytes of every round this server process sent
+Every other node gets the full model, and the run log says why, once per node and reason:
+``model.delivery='full'``, no base declared, the base could not be read, another hash, or a
+resumed run (the server holds the weights of its last round, not θ_base). Every node's report
+records ``bytes_received`` (= ``bytes_received_model`` + ``bytes_received_config``: the
+serialised arrays, and every config key and value) and ``model_delivery`` of the last round,
+and ``bytes_received_model_by_round`` (the model bytes of every round this server process sent
 it, in order; the config is the same size every round).
 """
 
@@ -34,6 +37,7 @@ from flwr.common.logger import log
 from strategies.node_roles import NodeDeclaration
 from strategies.reply_fields import reply_bytes
 from wire.delivery import (
+    BASE_OFFER_KEY,
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
@@ -51,17 +55,12 @@ def content_bytes(content: RecordDict) -> tuple[int, int]:
     return model, reply_bytes(content) - model
 
 
-def changed_keys(arrays: ArrayRecord, base: ArrayRecord) -> list[str]:
-    """The weights of ``arrays`` that differ from ``base`` bit for bit (same key set)."""
-    if set(arrays) != set(base):
+def changed_keys(digests: Mapping[str, str], base_digests: Mapping[str, str]) -> list[str]:
+    """The weights whose :func:`~wire.delivery.tensor_digest` differs from θ_base's (same key
+    set): what a node holding θ_base must be sent."""
+    if set(digests) != set(base_digests):
         raise ValueError("the global weights' keys are not those of the base checkpoint")
-    return [
-        key
-        for key in arrays
-        if arrays[key].shape != base[key].shape
-        or arrays[key].dtype != base[key].dtype
-        or arrays[key].data != base[key].data
-    ]
+    return [key for key in digests if digests[key] != base_digests[key]]
 
 
 class ModelDelivery:
@@ -70,11 +69,17 @@ class ModelDelivery:
     Call :meth:`declare` with the node query's declarations, :meth:`start_round` with each
     round's global weights (the run's round 1: they are θ_base), then :meth:`content` per node
     and :meth:`record` on every message actually sent; :meth:`report` gives a node's fields.
+    ``offer`` is the folder the server loaded θ_base from (a simulated node's base: sent in
+    the node query and the TRAIN config); ``by_reference=False`` (``model.delivery='full'``)
+    sends every node the full model whatever it declares.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, offer: str | None = None, by_reference: bool = True) -> None:
+        self.offer = offer if by_reference else None
+        self.by_reference = by_reference
         self.declarations: dict[int, NodeDeclaration] = {}
-        self.base: ArrayRecord | None = None  # θ_base, kept while some node declares a base
+        # θ_base as its tensors' digests (set in round 1 when some node declares a base; the
+        # weights themselves are not kept: a round's changed tensors are found by rehashing)
         self.base_digests: dict[str, str] = {}
         self.base_sha256: str | None = None
         self.no_base_reason: str | None = None  # why the server has no θ_base to compare
@@ -93,14 +98,14 @@ class ModelDelivery:
         when some node declared a base (otherwise nothing is kept)."""
         self._arrays, self._round = arrays, None
         wants = any(d.base_sha256 for d in self.declarations.values())
-        if server_round == 1 and self.base is None and self.no_base_reason is None:
+        if server_round == 1 and self.base_sha256 is None and self.no_base_reason is None:
             if not wants:
                 self.no_base_reason = "no node declared a base-checkpoint in round 1"
                 return
-            self.base = arrays
             self.base_digests = record_digests(arrays)
             self.base_sha256 = state_sha256(self.base_digests)
-        elif self.base is None and self.no_base_reason is None:
+            self._round = ([], self.base_sha256)  # round 1's weights are θ_base
+        elif self.base_sha256 is None and self.no_base_reason is None:
             self.no_base_reason = (
                 f"the run resumed at round {server_round}: the server holds the weights of "
                 "its last round, not those it started from"
@@ -110,20 +115,21 @@ class ModelDelivery:
         """(changed keys, state_sha256 of θ_round), computed once per round."""
         if self._round is None:
             # only for a node that gets the delta: start_round set the weights, and a base
-            assert self._arrays is not None and self.base is not None
-            keys = changed_keys(self._arrays, self.base)
-            digests = {**self.base_digests, **record_digests(self._arrays, keys)}
-            self._round = (keys, state_sha256(digests))
+            assert self._arrays is not None and self.base_sha256 is not None
+            digests = record_digests(self._arrays)
+            self._round = (changed_keys(digests, self.base_digests), state_sha256(digests))
         return self._round
 
     def why_full(self, node_id: int) -> str | None:
         """Why node ``node_id`` gets the full model (None: it gets the delta)."""
+        if not self.by_reference:
+            return "model.delivery='full'"
         declaration = self.declarations.get(node_id)
         if declaration is not None and declaration.base_problem:
             return f"its base-checkpoint cannot be used: {declaration.base_problem}"
         if declaration is None or not declaration.base_sha256:
             return "it declares no base-checkpoint"
-        if self.base is None or self.base_sha256 is None:  # set together (start_round)
+        if self.base_sha256 is None:
             return str(self.no_base_reason)
         if declaration.base_sha256 != self.base_sha256:
             return (
@@ -146,6 +152,7 @@ class ModelDelivery:
                 DELIVERY_KEY: DELTA,
                 BASE_SHA_KEY: str(self.base_sha256),
                 MODEL_SHA_KEY: model_sha256,
+                **({BASE_OFFER_KEY: self.offer} if self.offer else {}),
             }
         )
         sent = ArrayRecord({key: arrays[key] for key in keys})
@@ -155,7 +162,9 @@ class ModelDelivery:
         """Log why a node gets the full model, once per node and reason (one line for all
         nodes when none declares a base)."""
         key: tuple[int | None, str]
-        if any(d.base_sha256 or d.base_problem for d in self.declarations.values()):
+        if not self.by_reference:
+            key, line = (None, ""), "every node gets the full model: model.delivery='full'"
+        elif any(d.base_sha256 or d.base_problem for d in self.declarations.values()):
             key, line = (node_id, reason), f"node {node_id} gets the full model: {reason}"
         else:
             key, line = (

@@ -37,7 +37,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedunlearn.scenarios import ClientAssignment
-from wire.delivery import BASE_PROBLEM_KEY, BASE_SHA_KEY
+from wire.delivery import BASE_OFFER_KEY, BASE_PROBLEM_KEY, BASE_SHA_KEY
 
 ROLE_KEY = "role"
 PARTITION_KEY = "partition-id"
@@ -218,20 +218,25 @@ def _shown(value: object, limit: int = 60) -> str:
 
 
 def query_declarations(
-    grid: Grid, node_ids: Iterable[int], timeout: float
+    grid: Grid, node_ids: Iterable[int], timeout: float, offer: str | None = None
 ) -> dict[int, NodeDeclaration]:
-    """Ask every node (one QUERY message each) for the role it declared.
+    """Ask every node (one QUERY message each) for the role it declared (and the hash of its
+    base checkpoint: a simulated node's is ``offer``, the server's own, when it declares none).
 
     Nodes that answer with an error, not within ``timeout`` seconds, or with a declaration
     that cannot be read (``declaration_from_record``) count as having declared nothing
     (logged with the node and the problem); answers of nodes not asked are ignored.
     """
     node_ids = [int(n) for n in node_ids]
+    ask = ConfigRecord(
+        {
+            "ask": [ROLE_KEY, PARTITION_KEY, BASE_SHA_KEY],
+            **({BASE_OFFER_KEY: offer} if offer else {}),
+        }
+    )
     messages = [
         Message(
-            content=RecordDict(
-                {QUERY_KEY: ConfigRecord({"ask": [ROLE_KEY, PARTITION_KEY, BASE_SHA_KEY]})}
-            ),
+            content=RecordDict({QUERY_KEY: ask}),
             message_type=MessageType.QUERY,
             dst_node_id=node_id,
             group_id="node-roles",
@@ -288,9 +293,10 @@ def assign_and_declare(
     assignments: Sequence[ClientAssignment],
     timeout: float,
     previous: Mapping[int, ClientAssignment] | None = None,
+    offer: str | None = None,
 ) -> tuple[dict[int, ClientAssignment], dict[int, NodeDeclaration] | None]:
     """:func:`assign_nodes` and the declarations it read (None: ``previous`` was kept and no
-    node was queried)."""
+    node was queried; ``offer``: :func:`query_declarations`)."""
     if (
         previous
         and len(previous) == len(assignments)
@@ -298,7 +304,7 @@ def assign_and_declare(
         and list(previous.values()) == list(assignments)
     ):
         return dict(previous), None
-    declarations = query_declarations(grid, node_ids, timeout)
+    declarations = query_declarations(grid, node_ids, timeout, offer)
     mapping = assign_by_declared_roles(node_ids, assignments, declarations)
     if any(d.role is not None for d in declarations.values()):
         log(

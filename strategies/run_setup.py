@@ -43,6 +43,9 @@ class RunModel:
     scenario: Scenario
     reference: PreTrainedModel | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: the checkpoint folder ``model`` was loaded from (a simulated node's base: the server
+    #: offers it, ``strategies.model_delivery``); None when there is none
+    checkpoint: Path | None = None
     #: a real model's general-utility questions (zero-shot MMLU subset); empty = not scored
     general_questions: list[dict[str, Any]] = field(default_factory=list)
 
@@ -89,7 +92,7 @@ def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
             # PreTrainedModel.to is @wraps(nn.Module.to): typed as unbound (self = argument 1)
             model.to("cuda")  # type: ignore[arg-type]
         info = {"model_path": settings.model.path, "dtype": str(dtype).removeprefix("torch.")}
-        return RunModel(model, tokenizer, scenario, None, info)
+        return RunModel(model, tokenizer, scenario, None, info, path.resolve())
     if settings.model.name != "builtin":
         return _finetuned_run_model(settings, scenario, cache_dir or default_cache_dir(), dtype)
     substrate = load_substrate(settings.substrate_config(), cache_dir, show_progress=show_progress)
@@ -99,6 +102,7 @@ def _load_model(settings: RunSettings, *, show_progress: bool) -> RunModel:
         scenario,
         substrate.reference_model,
         {"folder": str(substrate.folder), **substrate.info},
+        (substrate.folder / "knowledgeable").resolve(),
     )
 
 
@@ -128,7 +132,9 @@ def _finetuned_run_model(
         reference.to("cuda")  # type: ignore[arg-type]
     info = json.loads((folder / FINETUNED_INFO).read_text())
     info.update({"folder": str(folder), "pretrained": str(base), "model": settings.model.name})
-    return RunModel(model, tokenizer, scenario, reference, info)
+    return RunModel(
+        model, tokenizer, scenario, reference, info, (folder / "knowledgeable").resolve()
+    )
 
 
 def pretrained_state(settings: RunSettings, run_model: RunModel) -> dict[str, torch.Tensor]:

@@ -188,6 +188,8 @@ def build_strategy(
         "checkpoint": checkpoint,
         "round_offset": done,
         "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.upload.stream else None,
+        "base_offer": str(run_model.checkpoint) if run_model.checkpoint else None,
+        "delivery": settings.model.delivery,
     }
     if settings.wrapper == "mpu":
         strategy: MergeStrategy = MpuStrategy(

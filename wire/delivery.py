@@ -20,9 +20,18 @@ BASE_KEY = "base-checkpoint"  # node config: the node's θ_base folder
 RUN_BASE_KEY = "model.base-checkpoint"
 BASE_SHA_KEY = "base-sha256"  # query reply and TRAIN config: state_sha256(θ_base)
 BASE_PROBLEM_KEY = "base-problem"  # query reply: why the declared base cannot be used
+#: query and TRAIN config: the folder the server loaded its model from, a simulated node's
+#: base when it declares none (``clients.base_checkpoint``)
+BASE_OFFER_KEY = "base-offer"
 MODEL_SHA_KEY = "model-sha256"  # TRAIN config: state_sha256(θ_round)
 DELIVERY_KEY = "model-delivery"  # TRAIN config: FULL (absent) or DELTA
 FULL, DELTA = "full", "delta-from-base"
+
+
+def model_sha_key(copy: int | None = None) -> str:
+    """The TRAIN config key of the hash of the model a node rebuilds: ``model-sha256``, or for
+    MPU's copy ``copy`` ``model-sha256-<copy>``."""
+    return MODEL_SHA_KEY if copy is None else f"{MODEL_SHA_KEY}-{copy}"
 
 
 def tensor_digest(values: np.ndarray) -> str:

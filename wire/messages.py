@@ -99,26 +99,36 @@ def wire_state(model: torch.nn.Module) -> ArrayRecord:
 
 def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
     """Model skeleton from ``model-config-json`` filled with the received weights, in the
-    run's ``dtype`` (auto: bfloat16 on CUDA, float32 on CPU), on CUDA when present."""
-    return model_from_state(config, arrays.to_torch_state_dict())
+    run's ``dtype`` (auto: bfloat16 on CUDA, float32 on CPU), on CUDA when present. The
+    weights are decoded one tensor at a time into the model (no second copy of the state)."""
+    model = _skeleton(config)
+    state = model.state_dict()
+    missing = set(state) - set(arrays) - _tied_keys(model)
+    unexpected = set(arrays) - set(state)
+    if missing or unexpected:
+        raise ValueError(
+            f"received weights do not fit the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    with torch.no_grad():
+        for key in arrays:
+            state[key].copy_(torch.from_numpy(arrays[key].numpy()))
+    return finish_model(model)
 
 
-def model_from_state(config: ConfigRecord, state: Mapping[str, torch.Tensor]) -> PreTrainedModel:
-    """:func:`rebuild_model` from weights already decoded (e.g. a node's base checkpoint with
-    the weights the server sent on top: ``clients.base_checkpoint.received_model``)."""
+def _skeleton(config: ConfigRecord) -> PreTrainedModel:
+    """The model of ``model-config-json`` in the run's ``dtype``, its weights not yet set."""
     spec = json.loads(str(config["model-config-json"]))
     model_config = AutoConfig.for_model(spec.pop("model_type"), **spec)
     dtype = resolve_dtype(str(config.get("dtype", "float32")))
-    model = AutoModelForCausalLM.from_config(model_config, dtype=dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    real_missing = [k for k in missing if k not in _tied_keys(model)]
-    if real_missing or unexpected:
-        raise ValueError(
-            f"received weights do not fit the model: missing {real_missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
+    return AutoModelForCausalLM.from_config(model_config, dtype=dtype)
+
+
+def finish_model(model: PreTrainedModel) -> PreTrainedModel:
+    """A received model ready to use: on CUDA when present, in eval mode."""
     if torch.cuda.is_available():
-        model.to("cuda")
+        # PreTrainedModel.to is @wraps(nn.Module.to): typed as unbound (self = argument 1)
+        model.to("cuda")  # type: ignore[arg-type]
     model.eval()
     return model
 

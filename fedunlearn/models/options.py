@@ -9,6 +9,8 @@ from fedunlearn.options import COUNT, POSITIVE, POSITIVE_INT, OneOf, option, opt
 
 #: Model dtypes (float16 would need loss scaling).
 DTYPES = ("auto", "float32", "bfloat16")
+#: How the server's weights reach the nodes (``strategies.model_delivery``).
+DELIVERIES = ("auto", "full")
 
 
 def _model_names() -> list[str]:
@@ -43,6 +45,13 @@ class ModelOptions:
         "a node's local copy of the checkpoint the server starts from (a SuperNode's "
         "--node-config wins): where its hash matches, the node is sent only the weights that "
         "differ from it",
+    )
+    delivery: str = option(
+        "auto",
+        "auto: a node holding the server's starting checkpoint (declared, or in a simulation "
+        "the folder the server loaded, where the node can read it) is sent only the weights "
+        "that differ from it; full: every node is sent the whole model every round",
+        OneOf(lambda: DELIVERIES),
     )
     finetune_epochs: int = option(
         6, "full fine-tuning epochs of a registry model on the scenario's data", POSITIVE_INT

@@ -1,6 +1,7 @@
-"""Real Flower simulations where the nodes hold the base checkpoint (``model.base-checkpoint``
-in the run config): they are sent only the weights that differ from it, and the run ends with
-the same weights."""
+"""Real Flower simulations where the nodes hold the base checkpoint — by default the folder
+the server loaded its model from, or ``model.base-checkpoint`` in the run config: they are sent
+only the weights that differ from it, and the run ends with the weights of a run that sends
+the full model (``model.delivery='full'``)."""
 
 import json
 
@@ -35,17 +36,21 @@ def _run(tmp_path, name: str, checkpoint, options: str = "num-rounds=2") -> tupl
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory, tiny_checkpoint):
-    return _run(tmp_path_factory.mktemp("full"), "out", tiny_checkpoint)
-
-
-def test_nodes_holding_the_base_end_with_the_same_weights(tmp_path, tiny_checkpoint, full_run):
-    full, full_weights = full_run
-    delta, delta_weights = _run(
-        tmp_path,
-        "delta",
+    return _run(
+        tmp_path_factory.mktemp("full"),
+        "out",
         tiny_checkpoint,
-        f"num-rounds=2 model.base-checkpoint='{tiny_checkpoint}'",
+        "num-rounds=2 model.delivery='full'",
     )
+
+
+def test_simulated_nodes_read_the_servers_checkpoint_and_end_with_the_same_weights(
+    tmp_path, tiny_checkpoint, full_run
+):
+    """By default (``model.delivery='auto'``, nothing declared) every simulated node takes the
+    folder the server loaded as its base: round 1 sends no weights at all."""
+    full, full_weights = full_run
+    delta, delta_weights = _run(tmp_path, "delta", tiny_checkpoint)
     assert delta_weights.keys() == full_weights.keys()
     assert all(torch.equal(delta_weights[k], full_weights[k]) for k in full_weights)
     assert delta["merge"]["norm_final"] == full["merge"]["norm_final"]

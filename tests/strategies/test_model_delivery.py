@@ -14,6 +14,7 @@ from fedunlearn.scenarios import ClientAssignment
 from strategies.merge_strategy import MergeStrategy
 from strategies.node_roles import declaration_from_record
 from wire.delivery import (
+    BASE_OFFER_KEY,
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
@@ -191,3 +192,61 @@ def test_float32_deltas_are_not_always_exact_so_values_are_sent():
     weights' values, the same bytes as a float32 delta, and exact."""
     base, new = torch.tensor([0.5, 0.02]), torch.tensor([1e-9, 0.0201])
     assert torch.equal(base + (new - base), torch.tensor([0.0, 0.0201]))
+
+
+SIMULATED = {"partition-id": 0, "num-partitions": 2}
+
+
+def _offering_strategy(tiny_model, tiny_tokenizer, offer, delivery="auto") -> MergeStrategy:
+    return MergeStrategy(
+        merge="sum",
+        assignments=ASSIGNMENTS,
+        client_config=describe_model(tiny_model, tiny_tokenizer),
+        base_offer=str(offer),
+        delivery=delivery,
+    )
+
+
+def test_simulated_nodes_take_the_servers_checkpoint_and_deployed_nodes_do_not(
+    server_identity, checkpoints, tiny_model, tiny_tokenizer, caplog
+):
+    base, _ = checkpoints
+    # node 5: a virtual node of a simulation; node 6: a SuperNode with its own node config
+    grid = ClientAppGrid({5: dict(SIMULATED), 6: {"partition-id": 1, "zone": "eu"}})
+    strategy = _offering_strategy(tiny_model, tiny_tokenizer, base)
+    arrays = wire_state(tiny_model)
+    sent = {
+        m.metadata.dst_node_id: m for m in strategy.configure_train(1, arrays, ConfigRecord(), grid)
+    }
+    assert strategy.delivery.report(5)["model_delivery"] == DELTA
+    assert strategy.delivery.report(5)["bytes_received_model"] == 0
+    assert strategy.delivery.report(6)["model_delivery"] == "full"  # deployment: opt-in only
+    assert "node 6 gets the full model: it declares no base-checkpoint" in caplog.text
+    config = sent[5].content["config"]
+    assert config[BASE_OFFER_KEY] == str(base)
+    rebuilt = received_model(config, sent[5].content["arrays"], grid.contexts[5])
+    assert all(torch.equal(v, tiny_model.state_dict()[k]) for k, v in rebuilt.state_dict().items())
+
+
+def test_an_offer_the_node_cannot_read_gets_the_full_model(
+    server_identity, tiny_model, tiny_tokenizer, tmp_path, caplog
+):
+    grid = ClientAppGrid({5: dict(SIMULATED), 6: dict(SIMULATED)})
+    strategy = _offering_strategy(tiny_model, tiny_tokenizer, tmp_path / "not-here")
+    strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid)
+    assert {strategy.delivery.report(n)["model_delivery"] for n in (5, 6)} == {"full"}
+    assert "node 5 gets the full model: its base-checkpoint cannot be used" in caplog.text
+    assert "not-here is not a checkpoint folder (no config.json)" in caplog.text
+
+
+def test_delivery_full_sends_the_whole_model_to_nodes_holding_the_base(
+    server_identity, checkpoints, tiny_model, tiny_tokenizer, caplog
+):
+    base, _ = checkpoints
+    grid = ClientAppGrid({5: dict(SIMULATED), 6: {"base-checkpoint": str(base)}})
+    strategy = _offering_strategy(tiny_model, tiny_tokenizer, base, delivery="full")
+    arrays = wire_state(tiny_model)
+    messages = strategy.configure_train(1, arrays, ConfigRecord(), grid)
+    assert all(len(m.content["arrays"]) == len(arrays) for m in messages)
+    assert {strategy.delivery.report(n)["model_delivery"] for n in (5, 6)} == {"full"}
+    assert "every node gets the full model: model.delivery='full'" in caplog.text
