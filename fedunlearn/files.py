@@ -19,16 +19,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import secrets
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from filelock import FileLock, Timeout
 
 MANIFEST_FILE = "manifest.json"
@@ -335,3 +337,58 @@ def _holder_pid(pid_file: Path, wait_s: float = 1.0) -> str:
             if time.monotonic() > deadline:
                 return "<unknown>"
             time.sleep(0.05)
+
+
+#: safetensors' dtype names and item sizes of the torch dtypes a checkpoint holds
+_SAFETENSORS_DTYPES = {
+    torch.float64: ("F64", 8),
+    torch.float32: ("F32", 4),
+    torch.bfloat16: ("BF16", 2),
+    torch.float16: ("F16", 2),
+    torch.int64: ("I64", 8),
+    torch.int32: ("I32", 4),
+    torch.int16: ("I16", 2),
+    torch.int8: ("I8", 1),
+    torch.uint8: ("U8", 1),
+    torch.bool: ("BOOL", 1),
+}
+
+
+def save_safetensors_streamed(
+    path: Path,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensor: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write a safetensors file one tensor at a time: ``safetensors.torch.save_file`` first
+    copies every tensor into one buffer, a second copy of a whole model.
+
+    ``layout`` gives each name's dtype and shape, in file order; ``tensor(name)`` returns that
+    CPU tensor, called once per name in that order, so only one is alive at a time. The file
+    is what ``safetensors`` reads: an 8-byte header length, the JSON header, the bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, (dtype, shape) in layout.items():
+        code, itemsize = _SAFETENSORS_DTYPES[dtype]
+        size = itemsize * math.prod(shape)
+        header[name] = {
+            "dtype": code,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with open(path, "wb") as out:
+        out.write(len(encoded).to_bytes(8, "little"))
+        out.write(encoded)
+        for name, (dtype, shape) in layout.items():
+            value = tensor(name).detach().cpu().contiguous()
+            if value.dtype != dtype or tuple(value.shape) != tuple(shape):
+                raise ValueError(
+                    f"{path.name}: tensor {name!r} is {value.dtype} {tuple(value.shape)}, "
+                    f"the layout says {dtype} {tuple(shape)}"
+                )
+            if value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+                value = value.view(torch.int16)
+            out.write(value.numpy().data)

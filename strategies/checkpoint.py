@@ -47,11 +47,12 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from fedunlearn.files import (
     fsync_dir,
     fsync_file,
+    save_safetensors_streamed,
     sha256_file,
     temp_path,
     temp_target,
@@ -218,15 +219,14 @@ class RunCheckpoint:
             self.claim()
         nonce = secrets.token_hex(16)
         weights_tmp, state_tmp = temp_path(self.weights_path), temp_path(self.state_path)
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for name, t in state_dict.items():
-            t = t.detach().cpu().contiguous()
-            if t.numel() and t.data_ptr() in seen:  # tied weights: safetensors wants copies
-                t = t.clone()
-            seen.add(t.data_ptr())
-            tensors[name] = t
-        save_file(tensors, str(weights_tmp), metadata={"round": str(server_round), "nonce": nonce})
+        # written one tensor at a time (tied weights are stored under each of their names)
+        layout = {name: (t.dtype, tuple(t.shape)) for name, t in state_dict.items()}
+        save_safetensors_streamed(
+            weights_tmp,
+            layout,
+            state_dict.__getitem__,
+            metadata={"round": str(server_round), "nonce": nonce},
+        )
         fsync_file(weights_tmp)
         record = {
             "format": FORMAT_VERSION,

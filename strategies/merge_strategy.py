@@ -13,7 +13,15 @@ from logging import INFO
 from typing import Any, NoReturn
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord, Message, MessageType, MetricRecord, RecordDict
+from flwr.app import (
+    Array,
+    ArrayRecord,
+    ConfigRecord,
+    Message,
+    MessageType,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
@@ -56,7 +64,7 @@ from strategies.results import json_safe
 from strategies.round_steps import collect_replies, exclude
 from strategies.seeding import client_seed
 from strategies.upload_spool import UploadSpool
-from wire.messages import decode_client_reply
+from wire.messages import decode_client_reply, decoded_arrays
 
 
 def drop_arrays(reply: Message) -> None:
@@ -330,11 +338,11 @@ class MergeStrategy(Strategy):
             self._fail(server_round, problem)
         self.last_updates = updates  # as uploaded (before the robust options)
         result = self._merge(self._robust(updates))
-        state = self._new_weights(server_round, result)
+        new_arrays = self._new_weights(server_round, result)
         self.last_merge = result
         self.round_peak_rss_bytes = phase_peak_bytes()
         if self.checkpoint is not None:
-            self.checkpoint.save(server_round, state, self.round_record())
+            self.checkpoint.save(server_round, decoded_arrays(new_arrays), self.round_record())
             log(INFO, "round %d saved to %s", server_round, self.checkpoint.folder)
         metrics = MetricRecord(
             {
@@ -343,7 +351,7 @@ class MergeStrategy(Strategy):
                 "update-norm": float(result.report.get("norm_final", 0.0)),
             }
         )
-        return ArrayRecord(state), metrics
+        return new_arrays, metrics
 
     # ---- the steps of aggregate_train ----------------------------------------------------------
 
@@ -468,21 +476,33 @@ class MergeStrategy(Strategy):
         self.merge_seconds = time.perf_counter() - started
         return result
 
-    def _new_weights(self, server_round: int, result: MergeResult) -> dict[str, torch.Tensor]:
+    def _new_weights(self, server_round: int, result: MergeResult) -> ArrayRecord:
         """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``server.max-update-ratio``)
-        and that the new weights are finite; otherwise the round fails."""
+        and that the new weights are finite; otherwise the round fails. Only the weights Δ
+        changes are decoded; the others keep their arrays (no copy of the whole model)."""
         if self.global_arrays is None:
             raise RuntimeError("_new_weights called before configure_train")
+        arrays = self.global_arrays
         delta = result.delta
         if self.server_lr != 1.0:
             delta = {k: self.server_lr * v for k, v in delta.items()}
-        weights = self.global_arrays.to_torch_state_dict()
+        missing = sorted(set(delta) - set(arrays))
+        if missing:
+            raise KeyError(
+                f"merge produced a delta for {missing[0]!r}, which the model does not have"
+            )
+        weights = {k: torch.from_numpy(arrays[k].numpy()) for k in delta}
         problem, self.update_ratio = merged_update_problem(delta, weights, self.max_update_ratio)
         if problem is None:
-            state = apply_delta(weights, delta)
-            problem = nonfinite_problem({k: state[k] for k in delta}, "the new weights'")
+            changed = apply_delta(weights, delta)
+            problem = nonfinite_problem(changed, "the new weights'")
             if problem is None:
-                return state
+                return ArrayRecord(
+                    {
+                        k: Array(changed[k].contiguous().numpy()) if k in changed else arrays[k]
+                        for k in arrays
+                    }
+                )
         self._fail(server_round, f"the merged update is not safe to apply: {problem}")
 
     def round_record(self) -> dict[str, Any]:

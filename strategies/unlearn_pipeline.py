@@ -6,8 +6,8 @@ config names (:class:`~strategies.merge_strategy.MergeStrategy`), or MPU around 
 
 from __future__ import annotations
 
-import copy
 import time
+from collections.abc import Mapping
 from logging import INFO
 from pathlib import Path
 from typing import Any, cast
@@ -36,7 +36,7 @@ from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
 from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
-from wire.messages import describe_model, wire_state
+from wire.messages import decoded_arrays, describe_model, wire_state
 
 
 def run_unlearning(
@@ -56,22 +56,22 @@ def run_unlearning(
     t0 = time.perf_counter()
     metrics = evaluate_before(settings, run_model)
     reference_metrics = metrics.get("reference")
+    run_model.reference = None  # its metrics are all the run needs of it: free its weights
     phases["evaluation_before"] = time.perf_counter() - t0
 
     strategy = build_strategy(settings, run_model, checkpoint, done, output_dir)
     t0 = time.perf_counter()
-    final_state, record = federate(
-        grid, strategy, settings, model, done, resumed_state, resumed_record
-    )
+    final, record = federate(grid, strategy, settings, model, done, resumed_state, resumed_record)
     phases["federated_round"] = time.perf_counter() - t0
 
-    unlearned = copy.deepcopy(model)
-    unlearned.load_state_dict(final_state)
+    # the original model becomes the unlearned one in place (its metrics are taken)
     applied_error = (
-        applied_update_error(model, unlearned, strategy.last_merge.delta)
+        applied_update_error(model, final, strategy.last_merge.delta)
         if strategy.last_merge
         else None
     )
+    load_in_place(model, final)
+    unlearned = model
     t0 = time.perf_counter()
     if settings.evaluate:
         metrics["after"] = evaluate_model(
@@ -110,32 +110,37 @@ def federate(
     done: int,
     resumed_state: dict[str, torch.Tensor] | None,
     resumed_record: dict[str, Any],
-) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
     """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from θ (or the resumed weights):
-    the final weights and the strategy's record; with every round done before, the saved ones."""
-    final_state: dict[str, torch.Tensor]
-    if done < settings.num_rounds:
-        result = strategy.start(
-            # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
-            grid=(
-                cast(Grid, StreamingGrid(grid, strategy.receive_reply))
-                if settings.upload.stream
-                else grid
-            ),
-            initial_arrays=(
-                ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
-            ),
-            num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
-            timeout=settings.server.round_timeout,
-            train_config=ConfigRecord(),
-        )
-        final_state = result.arrays.to_torch_state_dict()
-        record = strategy.round_record()
-    else:
+    the final weights (decoded one at a time when read) and the strategy's record; with every
+    round done before, the saved ones."""
+    if done >= settings.num_rounds:
         log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
         assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
-        final_state, record = resumed_state, resumed_record
-    return final_state, record
+        return resumed_state, resumed_record
+    initial = ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
+    del resumed_state  # the arrays hold them now
+    result = strategy.start(
+        # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
+        grid=(
+            cast(Grid, StreamingGrid(grid, strategy.receive_reply))
+            if settings.upload.stream
+            else grid
+        ),
+        initial_arrays=initial,
+        num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+        timeout=settings.server.round_timeout,
+        train_config=ConfigRecord(),
+    )
+    return decoded_arrays(result.arrays), strategy.round_record()
+
+
+def load_in_place(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` into ``model`` one tensor at a time (cast to each weight's dtype)."""
+    state = model.state_dict()
+    with torch.no_grad():
+        for key in weights:
+            state[key].copy_(weights[key])
 
 
 def evaluate_before(settings: RunSettings, run_model: RunModel) -> dict[str, Any]:
@@ -268,14 +273,18 @@ def open_checkpoint(
 
 
 def applied_update_error(
-    original: torch.nn.Module, unlearned: torch.nn.Module, delta: dict[str, torch.Tensor]
+    original: torch.nn.Module,
+    final: Mapping[str, torch.Tensor],
+    delta: Mapping[str, torch.Tensor],
 ) -> float:
     """‖(θ_unlearned − θ₀) − Δ‖ / ‖Δ‖: how much of the merged update the model's dtype kept
-    (0 in float32; a bfloat16 model rounds small entries of Δ away)."""
-    before, after = original.state_dict(), unlearned.state_dict()
+    (0 in float32; a bfloat16 model rounds small entries of Δ away). ``final`` are the new
+    weights before they are cast to the model's dtype, ``original`` still holds θ₀."""
+    before = original.state_dict()
     num, den = 0.0, 0.0
     for name, d in delta.items():
-        applied = after[name].double().cpu() - before[name].double().cpu()
+        kept = final[name].to(before[name].dtype).double().cpu()
+        applied = kept - before[name].double().cpu()
         num += float(((applied - d.double()) ** 2).sum())
         den += float((d.double() ** 2).sum())
     return (num / den) ** 0.5 if den > 0 else 0.0

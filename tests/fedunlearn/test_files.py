@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from fedunlearn.files import (
     IntegrityError,
@@ -138,3 +139,39 @@ def test_an_exclusive_folder_is_refused_while_held(tmp_path):
         assert f"FolderInUseError: output-dir {tmp_path} is in use by PID {pid}" in holder.stderr
     with exclusive_folder(tmp_path, "output-dir"):  # released: free again
         pass
+
+
+def test_streamed_safetensors_are_what_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from fedunlearn.files import save_safetensors_streamed
+
+    gen = torch.Generator().manual_seed(0)
+    shared = torch.randn(5, 3, generator=gen)
+    tensors = {
+        "embed": shared,
+        "head": shared,  # tied: stored under each name
+        "bf16": torch.randn(4, 7, generator=gen).bfloat16(),
+        "ids": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+        "scalar": torch.tensor(2.5),
+    }
+    asked: list[str] = []
+
+    def tensor(name: str) -> torch.Tensor:
+        asked.append(name)
+        return tensors[name]
+
+    path = tmp_path / "w.safetensors"
+    layout = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    save_safetensors_streamed(path, layout, tensor, metadata={"round": "3"})
+    assert asked == list(tensors)  # each tensor asked for once, in file order
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tensors.items())
+    with safe_open(str(path), "pt") as handle:
+        assert handle.metadata() == {"round": "3"}
+
+    layout["bf16"] = (torch.float32, (4, 7))
+    with pytest.raises(ValueError, match=r"tensor 'bf16' is torch.bfloat16 \(4, 7\), the layout"):
+        save_safetensors_streamed(tmp_path / "bad.safetensors", layout, tensor)
