@@ -103,7 +103,8 @@ def load_base(path: Path) -> BaseCheckpoint:
     cached = _hashed.get(str(path))
     if cached is not None and cached.signature == signature:
         return cached
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    # in the file's dtype: a bfloat16 checkpoint is not widened whole, only tensor by tensor
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto")
     digests = {
         key: tensor_digest(value.detach().to("cpu", torch.float32).numpy())
         for key, value in model.state_dict().items()

@@ -1,4 +1,4 @@
-"""Empirical Fisher diagonal of a client (SPEC §1.1)."""
+"""Empirical Fisher diagonal of a client (docs/algorithms.md: the Fisher diagonal)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,15 @@ def empirical_fisher_diagonal(
     adapter), over ``num_batches`` (N) batches of ONE sequence each, taken in data order and
     cycling when there are fewer examples than batches. L_LM is the mean NLL over the
     labelled tokens of that sequence, so token averaging comes before squaring and sequence
-    averaging after. Sequences are truncated to ``max_length`` tokens; squared gradients are
-    accumulated in float32. Only the parameters named in ``param_names`` are returned.
+    averaging after. Sequences are truncated to ``max_length`` tokens. Only the parameters
+    named in ``param_names`` are returned.
+
+    Memory: each gradient is squared into its sum the moment backward has computed it and
+    then freed, so at most one parameter's gradient is alive. Sums are float32 for float32
+    parameters; for 16-bit parameters they are kept in the parameter's dtype (each batch is
+    added in float32 and the sum rounded back: a relative rounding of at most N·2⁻⁹ in
+    bfloat16, far below the sampling noise of N single-sequence batches), so the Fisher of a
+    16-bit model takes no more memory than the weights it covers.
     """
     if not examples:
         raise ValueError("empirical Fisher needs at least one example")
@@ -41,23 +48,37 @@ def empirical_fisher_diagonal(
     for n, p in params.items():
         p.requires_grad_(n in names)
     model.eval()
-    sums = {n: torch.zeros(params[n].shape, dtype=torch.float32) for n in names}
+    sums = {n: torch.zeros(params[n].shape, dtype=_sum_dtype(params[n].dtype)) for n in names}
+
+    def square_into_sum(name: str):
+        def hook(param: torch.Tensor) -> None:
+            grad, param.grad = param.grad, None
+            if grad is not None:
+                total = sums[name]
+                if total.dtype == torch.float32:
+                    total += grad.detach().float().cpu() ** 2
+                else:
+                    total.copy_(total.float() + grad.detach().float().cpu() ** 2)
+
+        return hook
+
+    hooks = [params[n].register_post_accumulate_grad_hook(square_into_sum(n)) for n in names]
     try:
         for b in range(num_batches):
             ids, labels = examples[b % len(examples)]
             batch = collate([(ids[:max_length], labels[:max_length])], pad_token_id)
             batch = {k: v.to(params[names[0]].device) for k, v in batch.items()}
-            for n in names:
-                params[n].grad = None
-            loss = token_nll(model, batch).mean()
-            loss.backward()
-            for n in names:
-                grad = params[n].grad
-                if grad is not None:
-                    sums[n] += grad.detach().float().cpu() ** 2
+            token_nll(model, batch).mean().backward()
     finally:
+        for handle in hooks:
+            handle.remove()
         for n, p in params.items():
             p.grad = None
             p.requires_grad_(saved_flags[n])
         model.train(was_training)
     return {n: s / num_batches for n, s in sums.items()}
+
+
+def _sum_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Float32 sums, except for 16-bit parameters (their own dtype: see above)."""
+    return dtype if dtype in (torch.bfloat16, torch.float16) else torch.float32
