@@ -37,6 +37,7 @@ from fedunlearn.merging.sanity import (
     norm_outliers,
 )
 from fedunlearn.scenarios import ClientAssignment
+from fedunlearn.upload_codec import DecodedTensors
 from strategies.checkpoint import RunCheckpoint
 from strategies.memory import phase_peak_bytes, reset_phase_peak
 from strategies.merge_plugins import merge_kwargs, resolve_merge
@@ -478,8 +479,9 @@ class MergeStrategy(Strategy):
 
     def _new_weights(self, server_round: int, result: MergeResult) -> ArrayRecord:
         """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``server.max-update-ratio``)
-        and that the new weights are finite; otherwise the round fails. Only the weights Δ
-        changes are decoded; the others keep their arrays (no copy of the whole model)."""
+        and that the new weights are finite; otherwise the round fails and θ is kept. The new
+        weights replace the changed ones in the global arrays themselves, one weight at a time
+        (no second copy of the model; the old values are not needed once the checks passed)."""
         if self.global_arrays is None:
             raise RuntimeError("_new_weights called before configure_train")
         arrays = self.global_arrays
@@ -491,19 +493,21 @@ class MergeStrategy(Strategy):
             raise KeyError(
                 f"merge produced a delta for {missing[0]!r}, which the model does not have"
             )
-        weights = {k: torch.from_numpy(arrays[k].numpy()) for k in delta}
+        weights = decoded_arrays(arrays)  # decoded when read, one weight at a time
+
+        def updated(key: str) -> torch.Tensor:
+            return apply_delta({key: weights[key]}, {key: delta[key]})[key]
+
         problem, self.update_ratio = merged_update_problem(delta, weights, self.max_update_ratio)
         if problem is None:
-            changed = apply_delta(weights, delta)
-            problem = nonfinite_problem(changed, "the new weights'")
-            if problem is None:
-                return ArrayRecord(
-                    {
-                        k: Array(changed[k].contiguous().numpy()) if k in changed else arrays[k]
-                        for k in arrays
-                    }
-                )
-        self._fail(server_round, f"the merged update is not safe to apply: {problem}")
+            # the new weights as a mapping computed when read (DecodedTensors of dense parts)
+            new_weights = DecodedTensors(list(delta), updated)
+            problem = nonfinite_problem(new_weights, "the new weights'")
+        if problem is not None:
+            self._fail(server_round, f"the merged update is not safe to apply: {problem}")
+        for key in delta:
+            arrays[key] = Array(updated(key).contiguous().numpy())
+        return arrays
 
     def round_record(self) -> dict[str, Any]:
         """What results.json reports about the last round (JSON-safe): ``clients``, ``merge``
