@@ -509,6 +509,12 @@ class MergeStrategy(Strategy):
             arrays[key] = Array(updated(key).contiguous().numpy())
         return arrays
 
+    def release_weights(self) -> None:
+        """Let go of the global weights once the run has taken the final ones (the strategy
+        keeps its record of the last round)."""
+        self.global_arrays = None
+        self.delivery.end_rounds()
+
     def round_record(self) -> dict[str, Any]:
         """What results.json reports about the last round (JSON-safe): ``clients``, ``merge``
         (report and seconds) and ``assignments``; also stored in the checkpoint."""

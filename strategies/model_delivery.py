@@ -111,6 +111,10 @@ class ModelDelivery:
                 "its last round, not those it started from"
             )
 
+    def end_rounds(self) -> None:
+        """No more rounds: drop the last round's weights (what was sent stays reported)."""
+        self._arrays, self._round = None, None
+
     def _round_delta(self) -> tuple[list[str], str]:
         """(changed keys, state_sha256 of θ_round), computed once per round."""
         if self._round is None:

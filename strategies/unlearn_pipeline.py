@@ -71,6 +71,8 @@ def run_unlearning(
         else None
     )
     load_in_place(model, final)
+    del final, resumed_state
+    strategy.release_weights()  # the model holds the final weights now
     unlearned = model
     t0 = time.perf_counter()
     if settings.evaluate:

@@ -33,7 +33,7 @@ question are read from one forward pass of its prompt (the next-token distributi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -43,7 +43,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from fedunlearn.evaluation.likelihood import (
     eval_mode,
     length_sorted_batches,
-    model_device,
+    logits_in_chunks,
     resolve_pad_id,
 )
 
@@ -102,17 +102,18 @@ def _max_length(model: PreTrainedModel) -> int:
 
 def _forward_rows(
     model: PreTrainedModel, rows: list[list[int]], pad_id: int
-) -> tuple[torch.Tensor, list[int]]:
-    """Logits ``[batch, width, vocab]`` of right-padded ``rows`` and their lengths."""
+) -> Iterator[tuple[int, torch.Tensor, int]]:
+    """``(k, logits [width, vocab], length)`` of each of the right-padded ``rows``, computed in
+    chunks of rows (:func:`~fedunlearn.evaluation.likelihood.logits_in_chunks`)."""
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
     for k, row in enumerate(rows):
         ids[k, : len(row)] = torch.tensor(row)
         mask[k, : len(row)] = 1
-    device = model_device(model)
-    logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
-    return logits, [len(r) for r in rows]
+    for part, logits in logits_in_chunks(model, ids, mask):
+        for k in range(part.start, part.stop):
+            yield k, logits[k - part.start], len(rows[k])
 
 
 def _score_encoded(
@@ -125,10 +126,10 @@ def _score_encoded(
     with eval_mode(model), torch.inference_mode():
         batches = length_sorted_batches([len(x) for x in inputs], batch_size)
         for batch in tqdm(batches, desc="loglikelihood", disable=quiet):
-            logits, lengths = _forward_rows(model, [inputs[i] for i in batch], pad_id)
-            for k, i in enumerate(batch):
+            for k, logits, length in _forward_rows(model, [inputs[i] for i in batch], pad_id):
+                i = batch[k]
                 cont = encoded[i][1]
-                rows = logits[k, lengths[k] - len(cont) : lengths[k]].float()
+                rows = logits[length - len(cont) : length].float()
                 target = torch.tensor(cont, device=rows.device).unsqueeze(1)
                 out[i] = torch.log_softmax(rows, dim=-1).gather(1, target).sum().cpu()
     return out
@@ -149,8 +150,8 @@ def _score_next_token(
     with eval_mode(model), torch.inference_mode():
         batches = length_sorted_batches([len(x) for x in inputs], batch_size)
         for batch in tqdm(batches, desc="next-token scores", disable=quiet):
-            logits, lengths = _forward_rows(model, [inputs[i] for i in batch], pad_id)
-            last = logits[torch.arange(len(batch)), torch.tensor(lengths) - 1].float()
+            rows = _forward_rows(model, [inputs[i] for i in batch], pad_id)
+            last = torch.stack([logits[length - 1] for _, logits, length in rows]).float()
             scores = torch.log_softmax(last, dim=-1).gather(1, targets[batch].to(last.device))
             out[batch] = scores.cpu()
     return out

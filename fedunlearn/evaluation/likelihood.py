@@ -61,6 +61,32 @@ def length_sorted_batches(lengths: Sequence[int], batch_size: int) -> list[list[
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+#: the most float32 logits one forward pass of an evaluation batch may produce (bytes): a batch
+#: whose logits would be larger runs as several forward passes of fewer rows (a 64 × 128-token
+#: batch of a 49k-word vocabulary would otherwise hold 1.6 GB of logits, and its loss two more
+#: copies)
+LOGITS_BUDGET_BYTES = 128 * 2**20
+
+
+def logits_in_chunks(
+    model: PreTrainedModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> Iterator[tuple[slice, torch.Tensor]]:
+    """``(rows, logits of those rows)`` of a right-padded batch, in row order: one forward pass
+    when the batch's logits fit :data:`LOGITS_BUDGET_BYTES`, else passes of as many rows as fit
+    (at least one). The caller scores each chunk before the next is computed."""
+    rows, width = input_ids.shape
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)  # None: one pass
+    per_row = width * int(vocab or 0) * 4
+    step = max(1, min(rows, LOGITS_BUDGET_BYTES // per_row)) if per_row else rows
+    device = model_device(model)
+    for start in range(0, rows, step):
+        part = slice(start, min(rows, start + step))
+        logits = model(
+            input_ids=input_ids[part].to(device), attention_mask=attention_mask[part].to(device)
+        ).logits
+        yield part, logits
+
+
 def answer_nll(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -121,20 +147,19 @@ def answer_nll(
                 input_ids[row, : len(ids)] = torch.tensor(ids)
                 labels[row, : len(labs)] = torch.tensor(labs)
                 attention[row, : len(ids)] = 1
-            logits = model(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device)
-            ).logits
-            shift_logits = logits[:, :-1, :].float()
-            shift_labels = labels[:, 1:].to(device)
-            token_nll = F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.size(-1)),
-                shift_labels.reshape(-1),
-                ignore_index=-100,
-                reduction="none",
-            ).view(shift_labels.shape)
-            mask = (shift_labels != -100).float()
-            mean_nll = (token_nll * mask).sum(dim=1) / mask.sum(dim=1)
-            out[torch.tensor(batch)] = mean_nll.cpu()
+            for part, logits in logits_in_chunks(model, input_ids, attention):
+                shift_logits = logits[:, :-1, :].float()
+                shift_labels = labels[part, 1:].to(device)
+                token_nll = F.cross_entropy(
+                    shift_logits.reshape(-1, shift_logits.size(-1)),
+                    shift_labels.reshape(-1),
+                    ignore_index=-100,
+                    reduction="none",
+                ).view(shift_labels.shape)
+                del logits, shift_logits
+                mask = (shift_labels != -100).float()
+                mean_nll = (token_nll * mask).sum(dim=1) / mask.sum(dim=1)
+                out[torch.tensor(batch[part])] = mean_nll.cpu()
     return out
 
 

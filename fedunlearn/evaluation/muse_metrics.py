@@ -29,6 +29,7 @@ from fedunlearn.evaluation.generation import greedy_from_ids, greedy_generate
 from fedunlearn.evaluation.likelihood import (
     eval_mode,
     length_sorted_batches,
+    logits_in_chunks,
     model_device,
     resolve_pad_id,
 )
@@ -184,21 +185,20 @@ def min_k_percent_scores(
                 ids = encoded[i]
                 input_ids[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
                 attention[row, : len(ids)] = 1
-            logits = model(
-                input_ids=input_ids.to(device), attention_mask=attention.to(device)
-            ).logits
-            shift_logits = logits[:, :-1, :].float()
-            targets = input_ids[:, 1:].to(device)
-            token_logp = -F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.size(-1)),
-                targets.reshape(-1),
-                reduction="none",
-            ).view(targets.shape)
-            token_logp = token_logp.double().cpu()
-            for row, i in enumerate(batch):
-                n = len(encoded[i]) - 1
-                lowest = torch.sort(token_logp[row, :n]).values[: max(1, int(k * n))]
-                scores[i] = float(lowest.mean())
+            for part, logits in logits_in_chunks(model, input_ids, attention):
+                shift_logits = logits[:, :-1, :].float()
+                targets = input_ids[part, 1:].to(device)
+                token_logp = -F.cross_entropy(
+                    shift_logits.reshape(-1, shift_logits.size(-1)),
+                    targets.reshape(-1),
+                    reduction="none",
+                ).view(targets.shape)
+                del logits, shift_logits
+                token_logp = token_logp.double().cpu()
+                for row, i in enumerate(batch[part]):
+                    n = len(encoded[i]) - 1
+                    lowest = torch.sort(token_logp[row, :n]).values[: max(1, int(k * n))]
+                    scores[i] = float(lowest.mean())
     return scores
 
 

@@ -91,3 +91,26 @@ def test_answer_nll_restores_training_flag(tokenizer, untrained_model) -> None:
         assert untrained_model.training
     finally:
         untrained_model.eval()
+
+
+def test_large_logits_are_scored_in_chunks_of_rows_with_the_same_result(
+    untrained_model, tokenizer, monkeypatch
+) -> None:
+    from fedunlearn.evaluation import likelihood
+
+    questions = [f"Question number {i} about the author?" for i in range(6)]
+    answers = [f"Answer {i} is a fairly long sentence of words." for i in range(6)]
+    whole = answer_nll(untrained_model, tokenizer, questions, answers, batch_size=6)
+    passes: list[int] = []
+    hook = untrained_model.register_forward_hook(
+        lambda m, a, k, out: passes.append(1), with_kwargs=True
+    )
+    # a budget of two rows' logits: the batch of six runs as three forward passes
+    width = max(len(encode_qa(tokenizer, q, a)[0]) for q, a in zip(questions, answers, strict=True))
+    monkeypatch.setattr(
+        likelihood, "LOGITS_BUDGET_BYTES", 2 * width * untrained_model.config.vocab_size * 4
+    )
+    chunked = answer_nll(untrained_model, tokenizer, questions, answers, batch_size=6)
+    hook.remove()
+    assert len(passes) == 3
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
