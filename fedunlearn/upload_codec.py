@@ -22,7 +22,9 @@ Fisher forms (``upload.fisher``):
   ties kept, zeros never): one bit per entry packed into bytes, then deflated (zlib; at
   α' = 0.1 about half a bit per entry instead of one); ``<key>::topk_value`` holds their values
   in float32, in index order; every other entry decodes as 0. The mask is inflated to at most
-  its expected size (one bit per entry), so a crafted stream cannot expand further.
+  its expected size (one bit per entry), so a crafted stream cannot expand further. The
+  server's spool (``strategies.upload_spool``) keeps it inflated, as ``<key>::topk_bits``
+  (the packed bytes themselves), so a merge reads it without inflating it again.
   For a client whose own top-α FIRM uses (a retain client, or the only forget client of its
   domain) this is exact whenever α' ≥ α: the maximum, the k-th largest value and every kept
   entry are unchanged, and every dropped entry lies below FIRM's threshold.
@@ -30,7 +32,9 @@ Fisher forms (``upload.fisher``):
 :class:`DecodedTensors` is a read-only ``Mapping[str, Tensor]`` over the parts (a dict or a
 memory-mapped safetensors file) that rebuilds one weight's dense tensor when it is asked for
 and keeps only the last one, so a merge that walks the weights one at a time holds one dense
-tensor per client.
+tensor per client. It rebuilds into the memory of the previous one once nothing else refers
+to that (fresh memory costs a page fault per 4 KiB, more than the decoding itself), and tells
+a weight's shape and dtype without decoding it (:meth:`DecodedTensors.describe`).
 """
 
 from __future__ import annotations
@@ -40,8 +44,10 @@ import zlib
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from fedunlearn.merging import native
 from fedunlearn.options import FRACTION, OneOf, option, option_group
 
 TASK_VECTOR_UPLOADS: tuple[str, ...] = ("dense", "factors")
@@ -83,9 +89,12 @@ _PART_FORMS = {
     "scaling": "factors",
     "bf16": "bf16",
     "topk_mask": "topk",
+    "topk_bits": "topk",
     "topk_value": "topk",
 }
-_FORM_PARTS = {"factors": _FACTOR_PARTS, "bf16": ("bf16",), "topk": ("topk_mask", "topk_value")}
+_FORM_PARTS = {"factors": _FACTOR_PARTS, "bf16": ("bf16",), "topk": ("topk_value",)}
+#: Parts of which a form needs exactly one: the top-k mask deflated (as sent) or inflated.
+_ONE_OF = {"topk": ("topk_mask", "topk_bits")}
 #: zlib level of the top-k mask: 6 (zlib's default) packs a 10 % mask to about half a bit per
 #: entry (iid 10 % masks: 0.57 bits; correlated ones less); level 9 gains 1–4 % at 3–10× the time
 MASK_DEFLATE_LEVEL = 6
@@ -264,7 +273,17 @@ def group_parts(names: list[str]) -> dict[str, tuple[str, dict[str, str]]]:
         missing = [p for p in _FORM_PARTS.get(form, ()) if p not in parts]
         if missing:
             raise UploadFormatError(key, f"{form} upload lacks its part(s) {missing}")
+        either = _ONE_OF.get(form, ())
+        if either and sum(p in parts for p in either) != 1:
+            raise UploadFormatError(key, f"{form} upload needs exactly one of the parts {either}")
     return grouped
+
+
+Buffer = Callable[[int], torch.Tensor]
+
+
+def _fresh(numel: int) -> torch.Tensor:
+    return torch.empty(numel, dtype=torch.float32)
 
 
 def decode_tensor(
@@ -272,21 +291,24 @@ def decode_tensor(
     form: str,
     parts: Mapping[str, torch.Tensor],
     shape: tuple[int, ...] | None,
+    buffer: Buffer = _fresh,
 ) -> torch.Tensor:
     """The dense tensor of weight ``key`` from its ``parts`` (``{part: tensor}``) in ``form``;
     ``shape`` is the weight's shape (required for ``topk``, checked otherwise).
-    ``UploadFormatError`` names the weight and the problem (wrong dtype, shape or size)."""
+    ``buffer(n)`` gives the flat float32 memory a decoded (not a ``dense``) form is written to
+    (fresh by default).  ``UploadFormatError`` names the weight and the problem (wrong dtype,
+    shape or size)."""
     if form == "dense":
         out = _float(key, "dense", parts["dense"])
     elif form == "factors":
-        out = _decode_factors(key, parts)
+        out = _decode_factors(key, parts, buffer)
     elif form == "bf16":
         bits = parts["bf16"]
         if bits.dtype != torch.int16:
             raise UploadFormatError(key, f"bf16 part has dtype {bits.dtype}, expected int16")
-        out = bits.contiguous().view(torch.bfloat16).float()
+        out = buffer(bits.numel()).view(bits.shape).copy_(bits.view(torch.bfloat16))
     else:
-        out = _decode_topk(key, parts, shape)
+        out = _decode_topk(key, parts, shape, buffer)
     if shape is not None and tuple(out.shape) != tuple(shape):
         raise UploadFormatError(
             key,
@@ -304,7 +326,8 @@ def _float(key: str, part: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _decode_factors(key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _factors(key: str, parts: Mapping[str, torch.Tensor]) -> LowRankDelta:
+    """The checked factors of weight ``key``."""
     b = _float(key, "lora_B", parts["lora_B"])
     a = _float(key, "lora_A", parts["lora_A"])
     s = _float(key, "scaling", parts["scaling"])
@@ -316,25 +339,65 @@ def _decode_factors(key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor
         raise UploadFormatError(key, f"factor rank {b.shape[1]} exceeds the weight's dimensions")
     if s.numel() != 1:
         raise UploadFormatError(key, f"scaling holds {s.numel()} numbers, expected 1")
-    return LowRankDelta(b, a, float(s.reshape(-1)[0])).dense()
+    return LowRankDelta(b, a, float(s.reshape(-1)[0]))
+
+
+def _decode_factors(key: str, parts: Mapping[str, torch.Tensor], buffer: Buffer) -> torch.Tensor:
+    """(B @ A) · s as :meth:`LowRankDelta.dense` computes it, written to ``buffer``."""
+    f = _factors(key, parts)
+    b, a = f.lora_B.float(), f.lora_A.float()
+    out = buffer(b.shape[0] * a.shape[1]).view(b.shape[0], a.shape[1])
+    return torch.mm(b, a, out=out).mul_(f.scaling)
+
+
+def _packed_mask(key: str, parts: Mapping[str, torch.Tensor], size: int) -> torch.Tensor:
+    """The ``size`` packed mask bytes of a top-k Fisher: inflated, or as the spool keeps them."""
+    if "topk_mask" in parts:
+        return inflate_mask(key, parts["topk_mask"], size)
+    bits = parts["topk_bits"]
+    if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != size:
+        raise UploadFormatError(
+            key,
+            f"top-k bits are a {bits.dim()}-d {str(bits.dtype).removeprefix('torch.')} tensor "
+            f"of {bits.numel()} entries, expected 1-d uint8 of {size}",
+        )
+    return bits
 
 
 def _decode_topk(
-    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None
+    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None, buffer: Buffer
 ) -> torch.Tensor:
     if shape is None:
         raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
     numel = math.prod(shape)
     values = _float(key, "topk_value", parts["topk_value"])
-    mask = unpack_mask(inflate_mask(key, parts["topk_mask"], (numel + 7) // 8), numel)
-    count = int(mask.sum())
-    if values.dim() != 1 or values.numel() != count:
+    packed = _packed_mask(key, parts, (numel + 7) // 8).contiguous()
+    if values.dim() != 1:
+        raise UploadFormatError(key, f"top-k values are {values.dim()}-d, expected 1-d")
+    out = buffer(numel)
+    count = native.unmask(packed, values.float().contiguous(), out)
+    if count is None:
+        bits = np.unpackbits(packed.numpy(), count=numel, bitorder="little").view(np.bool_)
+        count = int(np.count_nonzero(bits))
+        if count == values.numel():
+            array = out.numpy()
+            array.fill(0.0)
+            array[bits] = values.float().numpy()
+    if values.numel() != count:
         raise UploadFormatError(
             key, f"top-k mask marks {count} entries but {values.numel()} values were sent"
         )
-    out = torch.zeros(numel, dtype=torch.float32)
-    out[mask] = values.float()
     return out.view(shape)
+
+
+def _sole_holder(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is the only tensor on its storage (no view or slice of it is alive).
+    False where torch cannot tell."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    if use_count is None:
+        return False
+    # the tensor holds the storage once and the Python storage object made here once more
+    return int(use_count(tensor.untyped_storage()._cdata)) == 2
 
 
 class DecodedTensors(Mapping[str, torch.Tensor]):
@@ -343,7 +406,10 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
     ``get_part(name)`` returns the flat part ``name`` (a dict's ``__getitem__`` or a
     safetensors handle's ``get_tensor``); ``names`` are all flat part names; ``shapes`` the
     weights' shapes (needed for ``topk``). The last decoded tensor is kept, so asking for the
-    same weight again (its dtype, then its values) decodes it once.
+    same weight again (its dtype, then its values) decodes it once. A weight is decoded into
+    the memory of the last one when nothing but this mapping refers to it any more (no tensor,
+    view or slice of it is alive elsewhere), so a merge that drops each weight's tensors before
+    asking for the next decodes into the same pages every time; otherwise into fresh memory.
     """
 
     def __init__(
@@ -356,6 +422,7 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
         self._get_part = get_part
         self._shapes = shapes
         self._last: tuple[str, torch.Tensor] | None = None
+        self._memory: torch.Tensor | None = None
 
     @classmethod
     def from_parts(
@@ -377,6 +444,34 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
         lora_a = self._get_part(names["lora_A"])
         return int(lora_a.shape[0]) if lora_a.dim() == 2 else None
 
+    def describe(self, key: str) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+        """Weight ``key``'s shape, dtype and device as decoding gives them, without decoding
+        it (the parts' shapes; a ``topk`` weight's from ``shapes``). An upload whose parts
+        disagree is reported by decoding it, not here."""
+        form, names = self._groups[key]
+        cpu = torch.device("cpu")
+        if form == "dense":
+            part = self._get_part(names["dense"])
+            return tuple(part.shape), part.dtype, part.device
+        if form == "factors":
+            b, a = self._get_part(names["lora_B"]), self._get_part(names["lora_A"])
+            return (int(b.shape[0]), int(a.shape[-1])), torch.float32, cpu
+        if form == "bf16":
+            return tuple(self._get_part(names["bf16"]).shape), torch.float32, cpu
+        if self._shapes is None or key not in self._shapes:
+            raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
+        return tuple(self._shapes[key]), torch.float32, cpu
+
+    def _buffer(self, numel: int) -> torch.Tensor:
+        """Flat float32 memory for ``numel`` entries: the last weight's, when nothing but this
+        mapping refers to it (its storage's only other holder is ``_memory`` itself)."""
+        self._last = None
+        memory = self._memory
+        if memory is not None and memory.numel() >= numel and _sole_holder(memory):
+            return memory[:numel]
+        self._memory = memory = torch.empty(numel, dtype=torch.float32)
+        return memory[:numel]
+
     def parts(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every flat part as uploaded (to store it without decoding)."""
         for _, names in self._groups.values():
@@ -389,7 +484,7 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
         form, names = self._groups[key]
         parts = {part: self._get_part(name) for part, name in names.items()}
         shape = None if self._shapes is None else self._shapes.get(key)
-        tensor = decode_tensor(key, form, parts, shape)
+        tensor = decode_tensor(key, form, parts, shape, self._buffer)
         self._last = (key, tensor)
         return tensor
 

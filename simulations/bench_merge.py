@@ -12,7 +12,8 @@ clients); Fisher diagonals are ``1e-6·exp(2·z)`` with ``z`` standard normal, c
 clients (``--fisher-correlation``), spanning about five orders of magnitude.  A second input
 adds retain clients up to ``--multi-retain`` (default 3) for the multi-constraint projection.
 
-Cases, each timed with ``time.perf_counter`` (best of ``--repeats``):
+Cases, each timed with ``time.perf_counter`` (the best of ``--repeats``, and the first run
+beside it: the first call of a merge in the process also compiles or loads its kernels):
 
 * ``read-pass``: one plain read of every input tensor (converted to float32 slice by slice into
   one reused buffer, and summed), the
@@ -21,10 +22,13 @@ Cases, each timed with ``time.perf_counter`` (best of ``--repeats``):
   (so one read pass slowed by a busy machine does not move every ratio).  If AVG comes out
   faster than that baseline, the JSON's ``baseline_check`` says so and a warning is printed;
 * every registered merge with its defaults (``firm`` as ``firm-base``, i.e. ``epsilon = inf``);
-* ``firm-streaming``: the FIRM-base merge on the same uploads written first to one safetensors
-  file per client and read back as memory maps, one tensor per client at a time (only that
-  tensor's pages are in the process); its peak extra RSS stands next to ``firm-base``'s, whose
-  uploads stay resident;
+* ``firm-streaming``: the FIRM-base merge on the same uploads received as the streaming server
+  receives them: stored with :class:`~strategies.upload_spool.UploadSpool` (one safetensors
+  file per client, validated from the file as it is written) and merged from its memory maps,
+  one weight per client at a time.  Cold: before every repetition the previous round's files
+  are removed and the uploads spooled afresh (untimed), so no repetition finds pages that an
+  earlier merge mapped; its peak extra RSS stands next to ``firm-base``'s, whose uploads stay
+  resident;
 * ``projection-m1``: :func:`project_retention` alone, per tensor, on the FIRM-base result, with
   ``epsilon = --epsilon-factor × mean no-projection damage`` (so that the budget is active);
 * ``projection-m3-exact`` (and ``projection-m3-increase-only``, the paper's routine, for
@@ -62,14 +66,12 @@ import platform
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from fedunlearn.merging import (
@@ -86,6 +88,7 @@ from fedunlearn.merging import (
 from fedunlearn.merging._chunks import CHUNK, spans
 from fedunlearn.merging.projection import DEFAULT_SOLVER, SOLVERS
 from strategies.results import json_safe
+from strategies.upload_spool import UploadSpool
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -351,47 +354,6 @@ class ReadPasses:
         self.seconds.append(time.perf_counter() - t0)
 
 
-# --------------------------------------------------------------------------------- streaming
-class FileTensors(Mapping[str, torch.Tensor]):
-    """``{key: tensor}`` read from one safetensors file, one memory-mapped tensor per access.
-
-    Every access opens the file, maps the tensor ``<prefix><key>`` and closes the handle: the
-    mapping lives as long as the returned tensor, so a merge that walks the weights one at a
-    time holds one tensor per client (and its pages leave the process with it).
-    """
-
-    def __init__(self, path: Path, prefix: str, keys: Sequence[str]) -> None:
-        self.path, self.prefix, self.keys_ = path, prefix, list(keys)
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if key not in self.keys_:
-            raise KeyError(key)
-        with safe_open(str(self.path), framework="pt") as handle:
-            return handle.get_tensor(self.prefix + key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.keys_)
-
-    def __len__(self) -> int:
-        return len(self.keys_)
-
-
-def spool_uploads(updates: Sequence[ClientUpdate], folder: Path) -> list[ClientUpdate]:
-    """Write every upload to ``folder/<node id>.safetensors``; the same clients, read lazily."""
-    out = []
-    for u in updates:
-        path = folder / f"{u.node_id}.safetensors"
-        parts = {f"task_vector/{k}": t.contiguous() for k, t in u.task_vector.items()}
-        parts |= {f"fisher/{k}": t.contiguous() for k, t in (u.fisher or {}).items()}
-        save_file(parts, str(path))
-        del parts
-        keys = list(u.task_vector)
-        fisher = FileTensors(path, "fisher/", keys) if u.fisher is not None else None
-        tv = FileTensors(path, "task_vector/", keys)
-        out.append(ClientUpdate(u.node_id, u.role, u.domain, u.num_examples, tv, fisher))
-    return out
-
-
 # ------------------------------------------------------------------------------- projection
 @dataclass
 class ProjectionInput:
@@ -545,12 +507,26 @@ class _Bench:
     def wanted(self, name: str) -> bool:
         return name == "read-pass" or self.cfg.cases is None or name in self.cfg.cases
 
-    def record(self, name: str, fn: Callable[[], Any], details: Callable[[Any], dict]) -> Any:
-        """Time ``name`` (a read pass before every repetition) and store its case entry."""
+    def record(
+        self,
+        name: str,
+        fn: Callable[[], Any],
+        details: Callable[[Any], dict],
+        prepare: Callable[[], None] | None = None,
+    ) -> Any:
+        """Time ``name`` (``prepare``, then a read pass, before every repetition, untimed) and
+        store its case entry."""
         self.bar.set_postfix_str(name)
-        m = measure(fn, self.cfg.repeats, before=self.reads)
+
+        def before() -> None:
+            if prepare is not None:
+                prepare()
+            self.reads()
+
+        m = measure(fn, self.cfg.repeats, before=before)
         self.cases[name] = {
             "seconds": m.seconds,
+            "first_seconds": m.all_seconds[0],
             "all_seconds": m.all_seconds,
             "peak_extra_rss_bytes": m.peak_extra_bytes,
             "peak_rss_bytes": m.peak_rss_bytes,
@@ -580,27 +556,58 @@ def _time_merges(bench: _Bench, need_base: bool) -> MergeResult | None:
     return firm_base
 
 
+@dataclass
+class SpooledRounds:
+    """The uploads as the streaming server holds them, spooled afresh for every repetition.
+
+    Each call starts a new round of ``spool`` (removing the previous round's files) and stores
+    every update with :meth:`UploadSpool.store`, as the server stores a validated reply;
+    ``updates`` are then the clients read back from the new files' memory maps.
+    """
+
+    spool: UploadSpool
+    sources: Sequence[ClientUpdate]
+    updates: list[ClientUpdate] = field(default_factory=list)
+    write_seconds: list[float] = field(default_factory=list)
+    spool_bytes: int = 0
+
+    def __call__(self) -> None:
+        self.updates = []
+        gc.collect()
+        self.spool.begin_round(len(self.write_seconds) + 1)
+        t0 = time.perf_counter()
+        for u in self.sources:
+            shapes = {k: tuple(t.shape) for k, t in u.task_vector.items()}
+            self.updates.append(self.spool.store(u, shapes))
+        self.write_seconds.append(time.perf_counter() - t0)
+        self.spool_bytes = sum(p.stat().st_size for p in self.spool.folder.rglob("*.safetensors"))
+
+
 def _time_streaming(bench: _Bench) -> None:
-    """FIRM base on uploads spooled to disk, read back one memory-mapped tensor at a time."""
+    """FIRM base on uploads spooled by the server's spool, cold (spooled afresh per run)."""
     if "firm" not in MERGES or not bench.wanted(STREAMING_CASE):
         return
     root = REPO_ROOT / "outputs" / "bench"
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="spool-", dir=root) as folder:
-        t0 = time.perf_counter()
-        streamed = spool_uploads(bench.updates, Path(folder))
-        write_s = time.perf_counter() - t0
-        spool_bytes = sum(p.stat().st_size for p in Path(folder).iterdir())
-        bench.record(
-            STREAMING_CASE,
-            lambda: firm_merge(streamed, epsilon=math.inf),
-            lambda r: {
-                **_merge_details(r),
-                "spool_bytes": spool_bytes,
-                "spool_write_seconds": write_s,
-                "inputs_in_memory": False,
-            },
-        )
+        rounds = SpooledRounds(UploadSpool(Path(folder) / "uploads-spool"), bench.updates)
+        try:
+            bench.record(
+                STREAMING_CASE,
+                lambda: firm_merge(rounds.updates, epsilon=math.inf),
+                lambda r: {
+                    **_merge_details(r),
+                    "spool_bytes": rounds.spool_bytes,
+                    "spool_write_seconds": min(rounds.write_seconds),
+                    "all_spool_write_seconds": rounds.write_seconds,
+                    "inputs_in_memory": False,
+                    "cold": "spooled afresh before every run (UploadSpool.store)",
+                },
+                prepare=rounds,
+            )
+        finally:
+            rounds.updates = []
+            rounds.spool.clear()
 
 
 def _time_projections(
@@ -850,7 +857,8 @@ def _streaming_lines(cases: dict[str, dict]) -> list[str]:
         return []
     line = (
         f"{STREAMING_CASE}: peak extra RSS {_gb(stream['peak_extra_rss_bytes'])} GB, uploads "
-        f"on disk {stream['details']['spool_bytes'] / 1e9:.2f} GB (not in memory)"
+        f"on disk {stream['details']['spool_bytes'] / 1e9:.2f} GB (not in memory), spooled "
+        f"afresh before every run in {stream['details']['spool_write_seconds']:.2f} s"
     )
     if base is not None:
         line += (
@@ -877,16 +885,18 @@ def format_report(results: dict[str, Any]) -> str:
         f"generated in {inp['generation_seconds']:.1f} s",
         f"Memory: {results['memory_method']}",
         "",
-        f"{'case':<30} {'seconds':>9} {'x read':>8} {'+peak GB':>9}  notes",
-        "-" * 100,
+        f"{'case':<30} {'seconds':>9} {'first s':>9} {'x read':>8} {'+peak GB':>9}  notes",
+        "-" * 110,
     ]
     for name in results["case_order"]:
         c = cases.get(name)
         if c is None:
             lines.append(f"{name:<30} {'skipped':>9}")
             continue
+        first = c.get("first_seconds")
         lines.append(
-            f"{name:<30} {c['seconds']:>9.3f} {c['ratio_to_read_pass']:>8.2f} "
+            f"{name:<30} {c['seconds']:>9.3f} {'' if first is None else f'{first:.3f}':>9} "
+            f"{c['ratio_to_read_pass']:>8.2f} "
             f"{_gb(c['peak_extra_rss_bytes']):>9}  {_case_note(c)}"
         )
     eps = results["epsilon"]

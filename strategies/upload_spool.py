@@ -8,6 +8,10 @@ are decoded from a memory map of that file one weight at a time
 (:class:`~fedunlearn.upload_codec.DecodedTensors`). A merge that walks the weights one by one
 (all of the project's do) then holds one dense tensor per client instead of every upload.
 
+A top-k Fisher's mask is written inflated (``<key>::topk_bits``, one bit per entry, instead
+of the deflated ``topk_mask`` the client sent): validation inflated it once already, and a
+merge then reads the bits straight from the memory map instead of inflating every mask again.
+
 The spool keeps the last round's files (``save-uploads`` and the MPU harmonic aggregation read
 them after the round) and removes only files it wrote itself: the previous round's folder when
 a new round starts, everything when the run ends.
@@ -15,6 +19,7 @@ a new round starts, everything when the run ends.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -24,17 +29,28 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fedunlearn.merging import ClientUpdate
-from fedunlearn.upload_codec import DecodedTensors
+from fedunlearn.upload_codec import DecodedTensors, inflate_mask, part_name, split_part
 
 SPOOL_DIR = "uploads-spool"
 _PREFIXES = ("task_vector", "fisher")
 
 
-def _parts(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Upload parts of a decoded record (as received), or a dense mapping's tensors."""
-    if isinstance(tensors, DecodedTensors):
-        return {name: part.contiguous() for name, part in tensors.parts()}
-    return {name: t.contiguous() for name, t in tensors.items()}
+def _parts(
+    tensors: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]] | None
+) -> dict[str, torch.Tensor]:
+    """Upload parts of a decoded record (as received, top-k masks inflated), or a dense
+    mapping's tensors."""
+    if not isinstance(tensors, DecodedTensors):
+        return {name: t.contiguous() for name, t in tensors.items()}
+    out = {}
+    for name, part in tensors.parts():
+        key, kind = split_part(name)
+        if kind == "topk_mask" and shapes is not None and key in shapes:
+            size = (math.prod(shapes[key]) + 7) // 8
+            out[part_name(key, "topk_bits")] = inflate_mask(key, part, size)
+        else:
+            out[name] = part.contiguous()
+    return out
 
 
 class UploadSpool:
@@ -59,9 +75,9 @@ class UploadSpool:
         self, update: ClientUpdate, shapes: Mapping[str, tuple[int, ...]] | None
     ) -> ClientUpdate:
         """Write ``update``'s upload parts to its file; the same update, read from disk."""
-        tensors = {f"task_vector/{k}": v for k, v in _parts(update.task_vector).items()}
+        tensors = {f"task_vector/{k}": v for k, v in _parts(update.task_vector, shapes).items()}
         if update.fisher is not None:
-            tensors.update({f"fisher/{k}": v for k, v in _parts(update.fisher).items()})
+            tensors.update({f"fisher/{k}": v for k, v in _parts(update.fisher, shapes).items()})
         handle = self._write(update.node_id, tensors)
         del tensors
         records: dict[str, list[str]] = {prefix: [] for prefix in _PREFIXES}

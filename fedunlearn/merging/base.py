@@ -20,8 +20,22 @@ from fedunlearn.registry import Registry
 ROLES: tuple[str, ...] = ("forget", "retain")
 
 
-def _describe(t: torch.Tensor) -> str:
-    return f"shape {tuple(t.shape)}, dtype {t.dtype}"
+TensorMeta = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+def described(values: Mapping[str, torch.Tensor], key: str) -> TensorMeta:
+    """Shape, dtype and device of ``values[key]``; a mapping that tells them without producing
+    the tensor (a ``describe(key)`` method, as ``fedunlearn.upload_codec.DecodedTensors`` has)
+    is asked instead of decoding it."""
+    describe = getattr(values, "describe", None)
+    if callable(describe):
+        return describe(key)
+    t = values[key]
+    return tuple(t.shape), t.dtype, t.device
+
+
+def _describe(meta: TensorMeta) -> str:
+    return f"shape {meta[0]}, dtype {meta[1]}"
 
 
 def _check_tensor(node_id: int | str, kind: str, key: str, t: Any, *, nonneg: bool) -> None:
@@ -153,8 +167,8 @@ def validate_updates(updates: Sequence[ClientUpdate]) -> list[str]:
                 f"that client {ref.node_id!r} did not send"
             )
         for k in keys:
-            a, b = ref.task_vector[k], u.task_vector[k]
-            if tuple(a.shape) != tuple(b.shape):
+            a, b = described(ref.task_vector, k), described(u.task_vector, k)
+            if a[0] != b[0]:
                 raise ValueError(
                     f"client {u.node_id!r}: tensor {k!r} has {_describe(b)} "
                     f"but client {ref.node_id!r} has {_describe(a)}"

@@ -32,7 +32,7 @@ from .kernels import (
     nonzero64,
     run_kernel,
     sq64,
-    use_compiled,
+    use_compiled_for,
 )
 from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
@@ -492,7 +492,7 @@ def firm_merge(
     position = {id(u): i for i, u in enumerate(updates)}
     domain_idx = [[position[id(u)] for u in members] for members in domains.values()]
     retain_idx = [position[id(u)] for u in retain]
-    compiled = use_compiled([updates[0].task_vector[k] for k in keys])
+    compiled = use_compiled_for(updates[0].task_vector, keys)
     for key in keys:
         tvs = [u.task_vector[key] for u in updates]
         fishers = [u.fisher[key] for u in updates]  # type: ignore[index]

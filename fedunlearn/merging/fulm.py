@@ -29,7 +29,7 @@ from ._chunks import map_spans
 from ._common import as_real, check_gamma, check_k, compute_dtype, node_ids
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
-from .kernels import run_kernel, sq64, use_compiled
+from .kernels import run_kernel, sq64, use_compiled_for
 from .ties import ties_combine_kernel, trim_lowers
 
 #: Default link threshold ``τ`` on the cosine similarity.
@@ -238,7 +238,7 @@ def _fulm(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
-    compiled = use_compiled([updates[0].task_vector[key] for key in keys])
+    compiled = use_compiled_for(updates[0].task_vector, keys)
     for key in keys:
         tensors = [u.task_vector[key] for u in updates]
         final, sums = _fulm_tensor(tensors, clusters, kf, scale, compiled)

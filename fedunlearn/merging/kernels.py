@@ -24,8 +24,9 @@ exists) or ``eager``.  Compiled kernels are cached by inductor on disk
 from __future__ import annotations
 
 import functools
+import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ._chunks import CHUNK, map_spans
+from .base import TensorMeta, described
 from .native import pooled_bracket_counts
 
 #: Environment variable choosing the kernels: ``auto``, ``compiled`` or ``eager``.
@@ -85,12 +87,23 @@ def use_compiled(
     ``auto`` compiles from ``min_entries`` entries in total (the projection, which passes over
     its coordinates tens of times, sets a lower bar than the one-pass merges).
     """
+    metas = [(tuple(t.shape), t.dtype, t.device) for t in client_tensors]
+    return _compiles(metas, min_entries)
+
+
+def use_compiled_for(values: Mapping[str, torch.Tensor], keys: Sequence[str]) -> bool:
+    """:func:`use_compiled` for one client's tensors ``values[key]`` of ``keys``, sized without
+    decoding them (:func:`~fedunlearn.merging.base.described`)."""
+    return _compiles([described(values, key) for key in keys], COMPILE_MIN_ENTRIES)
+
+
+def _compiles(metas: Sequence[TensorMeta], min_entries: int) -> bool:
     chosen = mode()
-    if not client_tensors or chosen == "eager" or client_tensors[0].device.type != "cpu":
+    if not metas or chosen == "eager" or metas[0][2].type != "cpu":
         return False
     if not compiler_available():
         return False
-    entries = sum(t.numel() for t in client_tensors)
+    entries = sum(math.prod(shape) for shape, _, _ in metas)
     return chosen == "compiled" or entries >= min_entries
 
 

@@ -1,7 +1,7 @@
-"""Two one-pass loops of the merges as small C functions: read once, write only what is kept.
+"""One-pass loops of the merges as small C functions: read once, write only what is kept.
 
 An inductor kernel cannot collect a variable number of entries, so a compiled selection writes
-something for *every* entry and numpy scans it again.  The two loops here write only what they
+something for *every* entry and numpy scans it again.  Two loops here write only what they
 keep:
 
 * :func:`pooled_bracket_counts`, the counting pass of a top-k selection
@@ -15,12 +15,16 @@ keep:
   ``Δ_base ≠ 0``) with ``Δ_base`` and every ``F̃_k`` gathered there, and the check that every
   ``F̃_k`` is finite and non-negative, in the same pass.
 
+A third pair decodes a top-k Fisher upload (:mod:`fedunlearn.upload_codec`) in one pass:
+:func:`unmask` counts the set bits of its packed mask per slice, then spreads the kept values
+over them (16 entries per AVX-512 expand where the CPU has it), zeros elsewhere.
+
 The functions are built once per machine with the C compiler (``$CC`` or ``cc``, ``-O3
 -march=native``) into ``$FEDUNLEARN_CACHE_DIR/kernels`` (default ``~/.cache/fedunlearn/kernels``),
 under a name hashed from the source, the compiler, the flags and the CPU, written to a temporary
 name and moved into place (two processes building at once both succeed).  They run through
 ``ctypes`` (which releases the GIL) on slices spread over the intra-op threads.  Where no
-compiler is found, the build fails, or an input is not bfloat16 or float32 on the CPU, both
+compiler is found, the build fails, or an input is not of the dtypes they read on the CPU, they
 return ``None`` and the caller takes its general path (inductor kernels, numpy).
 """
 
@@ -194,6 +198,46 @@ int64_t fedunlearn_support(const void *base, int32_t base_kind, const void *cons
     *bad = flags;
     return n;
 }
+
+/* The set bits of a packed mask (entry j -> bit j % 8 of byte j / 8) among the entries
+   [start, stop), start a multiple of 8. */
+int64_t fedunlearn_mask_count(const uint8_t *packed, int64_t start, int64_t stop) {
+    int64_t n = 0, byte = start / 8;
+    const int64_t full = stop / 8;
+    for (; byte + 8 <= full; byte += 8) {
+        uint64_t word;
+        memcpy(&word, packed + byte, sizeof word);
+        n += __builtin_popcountll(word);
+    }
+    for (; byte < full; byte++) n += __builtin_popcount(packed[byte]);
+    if (stop % 8) n += __builtin_popcount(packed[full] & ((1u << (stop % 8)) - 1u));
+    return n;
+}
+
+/* out[j] for the entries j in [start, stop) (start a multiple of 8): the next of values
+   (values[0] first) where the mask's bit j is set, 0 elsewhere.  Returns the values taken. */
+int64_t fedunlearn_unmask(const uint8_t *packed, const float *values, int64_t start,
+                          int64_t stop, float *out) {
+    int64_t j = start, c = 0;
+#ifdef __AVX512F__
+    /* 16 entries at a time: the next popcount values loaded (masked: never past the last)
+       and spread over the set lanes */
+    for (; j + 16 <= stop; j += 16) {
+        uint16_t bits;
+        memcpy(&bits, packed + j / 8, sizeof bits);
+        const int taken = __builtin_popcount(bits);
+        const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << taken) - 1u), values + c);
+        _mm512_storeu_ps(out + j, _mm512_maskz_expand_ps((__mmask16)bits, v));
+        c += taken;
+    }
+#endif
+    for (; j < stop; j++) {
+        const int bit = (packed[j / 8] >> (j % 8)) & 1;
+        out[j] = bit ? values[c] : 0.0f;
+        c += bit;
+    }
+    return c;
+}
 """
 
 
@@ -208,6 +252,8 @@ _SIGNATURES = {
         *(_PTR, _I32, ctypes.POINTER(_PTR), ctypes.POINTER(_I32), _I32, _I64, _I64),
         *(_PTR, _PTR, ctypes.POINTER(_PTR), ctypes.POINTER(_I64)),
     ],
+    "fedunlearn_mask_count": [_PTR, _I64, _I64],
+    "fedunlearn_unmask": [_PTR, _PTR, _I64, _I64, _PTR],
 }
 
 
@@ -384,3 +430,44 @@ def _joined(parts: list[list[torch.Tensor]], device: torch.device) -> list[torch
 
     map_spans(place, len(parts), device, chunk=1)
     return joined
+
+
+def unmask(packed: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> int | None:
+    """Spread ``values`` over the set bits of the packed mask ``packed`` (entry j → bit j % 8
+    of byte j / 8, as ``fedunlearn.upload_codec.pack_mask`` packs it) into the flat float32
+    ``out``, zeros elsewhere: ``out[mask] = values`` for the first ``out.numel()`` bits.
+
+    Returns the number of set bits, and writes ``out`` only when it equals ``values.numel()``
+    (the caller reports a mismatch); ``None`` where the C functions are not available or an
+    input is not a contiguous CPU tensor of its dtype (uint8, float32, float32).
+    """
+    numel = out.numel()
+    if not (
+        packed.dtype == torch.uint8
+        and values.dtype == torch.float32
+        and out.dtype == torch.float32
+        and packed.numel() * 8 >= numel
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (packed, values, out))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    bits = packed.data_ptr()
+
+    def count(span: slice) -> int:
+        return int(lib.fedunlearn_mask_count(bits, span.start, span.stop))
+
+    counts = map_spans(count, numel, out.device, chunk=SLICE)
+    total = sum(counts)
+    if total != values.numel():
+        return total
+    firsts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    value_ptr, out_ptr = values.data_ptr(), out.data_ptr()
+
+    def spread(span: slice) -> None:
+        first = value_ptr + 4 * firsts[span.start // SLICE]
+        lib.fedunlearn_unmask(bits, first, span.start, span.stop, out_ptr)
+
+    map_spans(spread, numel, out.device, chunk=SLICE)
+    return total

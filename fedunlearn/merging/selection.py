@@ -43,6 +43,9 @@ _MARGIN_SIGMAS = 5.0
 _MARGIN_FLOOR = 8
 #: Entries per chunk of the counting pass.
 CHUNK = 1 << 18
+#: Lowest bracket key of the selections of values ``>= 0`` and magnitudes: the smallest
+#: positive float (every key below it is a zero).
+_ZERO_FLOOR = 1
 #: Integer type with the width of each floating dtype (the keys are its bit patterns).
 _INT_OF = {
     torch.float16: torch.int16,
@@ -92,11 +95,18 @@ def sample_positions(d: int) -> slice:
 
 def _bracket(keys_of: np.ndarray, k: int, d: int, kind: KeyKind) -> tuple[int, int]:
     """``(lo, hi)``: sample key order statistics that bracket the k-th largest key."""
-    return _bracket_of_sample(_keys(keys_of[sample_positions(d)], kind), k, d)
+    return _bracket_of_sample(_keys(keys_of[sample_positions(d)], kind), k, d, kind)
 
 
-def _bracket_of_sample(sample: np.ndarray, k: int, d: int) -> tuple[int, int]:
-    """``(lo, hi)`` from the keys ``sample`` of the entries at :func:`sample_positions`."""
+def _bracket_of_sample(sample: np.ndarray, k: int, d: int, kind: KeyKind) -> tuple[int, int]:
+    """``(lo, hi)`` from the keys ``sample`` of the entries at :func:`sample_positions`.
+
+    For values ``>= 0`` and magnitudes the bracket starts at :data:`_ZERO_FLOOR` at the
+    lowest: the zeros (key 0, or below it for ``-0.0``) are never candidates, since a sparse
+    tensor's zeros would otherwise fill the bracket (a decoded top-k Fisher is 90 % zeros,
+    with its k-th largest entry just above them); when the k-th largest lies below the
+    bracket then, it is a zero (see :func:`_kth_of_candidates`).
+    """
     n = sample.size
     centre = k * n / d
     margin = _MARGIN_SIGMAS * math.sqrt(n * (k / d) * (1.0 - k / d)) + _MARGIN_FLOOR
@@ -107,6 +117,9 @@ def _bracket_of_sample(sample: np.ndarray, k: int, d: int) -> tuple[int, int]:
     part = np.partition(sample, wanted) if wanted else sample
     hi = int(part[n - 1 - top]) if 0 <= top < n else int(info.max)
     lo = int(part[n - 1 - bottom]) if 0 <= bottom < n else int(info.min)
+    if kind != "signed":
+        lo = max(lo, _ZERO_FLOOR)
+        hi = max(hi, lo)
     return lo, hi
 
 
@@ -144,7 +157,7 @@ class StreamedKthLargest:
     ):
         self.k, self.kind, self.dtype = k, _key_kind(magnitude, nonnegative), sample.dtype
         bits = sample.contiguous().view(_INT_OF[sample.dtype]).numpy()
-        self.lo, self.hi = _bracket_of_sample(_keys(bits, self.kind), k, d)
+        self.lo, self.hi = _bracket_of_sample(_keys(bits, self.kind), k, d, self.kind)
 
     def count(self, chunk: torch.Tensor) -> tuple[int, np.ndarray]:
         """``(#{key > hi}, keys in [lo, hi])`` of one contiguous CPU chunk."""
@@ -160,7 +173,7 @@ class StreamedKthLargest:
         """
         if self.kind == "signed":
             raise ValueError("key_bounds is for the selections of values >= 0 and magnitudes")
-        return max(self.lo, 0), max(self.hi, 0)
+        return self.lo, self.hi
 
     def result_of_keys(
         self, whole: Callable[[], torch.Tensor], above: int, candidates: np.ndarray
@@ -174,7 +187,7 @@ class StreamedKthLargest:
             return whole().reshape(-1).contiguous().view(_INT_OF[self.dtype]).numpy()
 
         cand = candidates.astype(_NUMPY_INT[_INT_OF[self.dtype]])
-        return _kth_of_candidates(bits, self.k, above, cand, self.kind, self.dtype)
+        return _kth_of_candidates(bits, self.k, (above, self.lo), cand, self.kind, self.dtype)
 
     def result(
         self,
@@ -193,21 +206,25 @@ class StreamedKthLargest:
             tensor = whole() if callable(whole) else whole
             return tensor.reshape(-1).view(_INT_OF[self.dtype]).numpy()
 
-        return _kth_of_candidates(bits, self.k, above, cand, self.kind, self.dtype)
+        return _kth_of_candidates(bits, self.k, (above, self.lo), cand, self.kind, self.dtype)
 
 
 def _kth_of_candidates(
     bits: Callable[[], np.ndarray],
     k: int,
-    above: int,
+    counted: tuple[int, int],
     cand: np.ndarray,
     kind: KeyKind,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The k-th largest entry from the count above the bracket and the keys inside it.
+    """The k-th largest entry from ``counted`` = (the count above the bracket, its lowest
+    key) and the keys inside it.
 
     ``bits`` gives the bit patterns of the whole tensor, needed only if the sample missed.
     """
+    above, lo = counted
+    if k > above + cand.size and kind != "signed" and lo == _ZERO_FLOOR:
+        return _from_key(0, kind, dtype)  # below a bracket that starts above the zeros
     if not above < k <= above + cand.size:  # the sample missed: select among all keys
         above, cand = 0, _keys(bits(), kind)
     pos = cand.size - (k - above)  # ascending position of the answer among the candidates
@@ -269,4 +286,4 @@ def kth_largest(
     bits = flat.view(_INT_OF[x.dtype]).numpy()
     lo, hi = _bracket(bits, k, d, kind)
     above, cand = _count_and_collect(bits, lo, hi, kind)
-    return _kth_of_candidates(lambda: bits, k, above, cand, kind, x.dtype)
+    return _kth_of_candidates(lambda: bits, k, (above, lo), cand, kind, x.dtype)

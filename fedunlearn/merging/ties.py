@@ -34,7 +34,14 @@ from ._chunks import below
 from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
 from .base import ClientUpdate, MergeResult, register_merge, validate_updates
 from .firm import support_size
-from .kernels import bracket_counts, nonzero64, run_kernel, sq64, use_compiled
+from .kernels import (
+    bracket_counts,
+    nonzero64,
+    run_kernel,
+    sq64,
+    use_compiled,
+    use_compiled_for,
+)
 from .selection import SMALL, StreamedKthLargest, kth_largest, sample_positions
 
 #: Default TIES support fraction (top 20 % of every task vector).
@@ -220,7 +227,7 @@ def ties_merge(
     delta: dict[str, torch.Tensor] = {}
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
-    compiled = use_compiled([forget[0].task_vector[key] for key in keys])
+    compiled = use_compiled_for(forget[0].task_vector, keys)
     for key in keys:
         tensors = [u.task_vector[key] for u in forget]
         final, stats, sq = _ties_tensor(tensors, kf, g, out_dtype(updates, key), compiled)

@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from fedunlearn.merging import ClientUpdate, get_merge
+from fedunlearn.merging import ClientUpdate, get_merge, native
+from fedunlearn.merging.base import described
 from fedunlearn.merging.firm import normalize_and_sparsify
 from fedunlearn.qa_format import encode_qa
 from fedunlearn.training.lora import LocalTrainSettings, LoraSettings, train_lora_task_vector
@@ -13,6 +14,7 @@ from fedunlearn.upload_codec import (
     DecodedTensors,
     LowRankDelta,
     UploadFormatError,
+    _decode_topk,
     deflate_mask,
     encode_fisher,
     encode_task_vector,
@@ -197,3 +199,82 @@ def test_decoding_errors_name_the_weight_and_the_problem():
             },
             {"w": (4, 5)},
         )["w"]
+
+
+@pytest.mark.parametrize("decoder", ["c", "numpy"])
+@pytest.mark.parametrize("numel", [1, 7, 8, 15, 16, 17, 1000, 3 * (1 << 20) + 5])
+def test_both_decoders_spread_the_values_as_boolean_indexing_does(numel, decoder, monkeypatch):
+    """The C loop (over slices and threads) and numpy's (where no compiler is found) both give
+    ``zeros; out[mask] = values`` for masks of every length, tails included."""
+    if decoder == "c" and native.library() is None:
+        pytest.skip("no C compiler")
+    if decoder == "numpy":
+        monkeypatch.setattr(native, "unmask", lambda *_: None)
+    g = torch.Generator().manual_seed(numel)
+    mask = torch.rand(numel, generator=g) < 0.3
+    values = torch.rand(int(mask.sum()), generator=g)
+    expected = torch.zeros(numel)
+    expected[mask] = values
+    out = torch.full((numel,), float("nan"))
+    parts = {"topk_bits": pack_mask(mask), "topk_value": values}
+    assert torch.equal(_decode_topk("w", parts, (numel,), lambda n: out[:n]), expected)
+    with pytest.raises(UploadFormatError, match="values were sent"):
+        extra = torch.cat([values, torch.ones(1)])
+        _decode_topk("w", {**parts, "topk_value": extra}, (numel,), lambda n: out[:n])
+
+
+def test_the_mask_decodes_the_same_deflated_or_inflated_as_the_spool_keeps_it():
+    f = _fisher((96, 80), seed=3)
+    parts = encode_fisher({"w": f}, "topk", 0.2)
+    bits = inflate_mask("w", parts["w::topk_mask"], (96 * 80 + 7) // 8)
+    inflated = {"w::topk_bits": bits, "w::topk_value": parts["w::topk_value"]}
+    shapes = {"w": (96, 80)}
+    assert torch.equal(_decoded(parts, shapes)["w"], _decoded(inflated, shapes)["w"])
+    with pytest.raises(UploadFormatError, match="exactly one of"):
+        _decoded({**parts, "w::topk_bits": bits}, shapes)
+    with pytest.raises(UploadFormatError, match="expected 1-d uint8 of 960"):
+        _decoded({**inflated, "w::topk_bits": bits[:-1]}, shapes)["w"]
+    short = {**inflated, "w::topk_value": parts["w::topk_value"][:-1]}
+    with pytest.raises(UploadFormatError, match="values were sent"):
+        _decoded(short, shapes)["w"]
+
+
+def test_a_weight_is_decoded_into_the_last_ones_memory_only_when_nothing_holds_it():
+    shapes = {"a": (64, 48), "b": (32, 48), "c": (64, 48)}
+    g = torch.Generator().manual_seed(0)
+    fisher = {k: torch.rand(s, generator=g) for k, s in shapes.items()}
+    tv = {
+        k: LowRankDelta(torch.randn(s[0], 4), torch.randn(4, s[1]), 0.5) for k, s in shapes.items()
+    }
+    for parts in (encode_fisher(fisher, "topk", 0.3), encode_task_vector(tv, "factors")):
+        decoded = _decoded(parts, shapes)
+        expected = {k: _decoded(parts, shapes)[k].clone() for k in shapes}
+        a = decoded["a"]
+        held = a.clone()
+        b = decoded["b"]  # "a" is still held: fresh memory
+        assert b.data_ptr() != a.data_ptr() and torch.equal(a, held)
+        del a
+        view = b[1:]  # a view keeps "b"'s memory from being reused
+        assert decoded["c"].data_ptr() != b.data_ptr() and torch.equal(view, expected["b"][1:])
+        del b, view
+        pointer = decoded["c"].data_ptr()
+        assert decoded["a"].data_ptr() == pointer  # nothing holds "c": its memory again
+        for key in ("b", "c", "a"):
+            assert torch.equal(decoded[key], expected[key])
+
+
+def test_describe_tells_the_decoded_shape_and_dtype_without_decoding():
+    shapes = {"f": (12, 10), "t": (12, 10)}
+    parts = encode_fisher({"f": torch.rand(12, 10)}, "topk", 0.5)
+    parts |= encode_task_vector(
+        {"t": LowRankDelta(torch.randn(12, 2), torch.randn(2, 10), 1.0)}, "factors"
+    )
+    parts |= encode_fisher({"b": torch.rand(3, 4)}, "bf16") | {
+        "d": torch.rand(5, dtype=torch.float64)
+    }
+    decoded = _decoded(parts, {**shapes, "b": (3, 4), "d": (5,)})
+    for key in ("f", "t", "b", "d"):
+        t = decoded[key]
+        assert decoded.describe(key) == (tuple(t.shape), t.dtype, t.device)
+    assert described(decoded, "t") == ((12, 10), torch.float32, torch.device("cpu"))
+    assert described({"x": torch.zeros(2, 3)}, "x") == ((2, 3), torch.float32, torch.device("cpu"))

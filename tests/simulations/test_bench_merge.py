@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from fedunlearn.merging import MERGES
+from fedunlearn.upload_codec import DecodedTensors
 from simulations import bench_merge
+from strategies.upload_spool import UploadSpool
 
 TINY = ["--tensors", "2", "--rows", "64", "--cols", "32", "--repeats", "1", "--dtype", "fp32"]
 
@@ -74,25 +76,34 @@ def test_streaming_case_merges_the_same_uploads_from_disk(results):
     assert stream["norm_final"] == base["norm_final"]
     assert stream["spool_bytes"] > results["input"]["main_bytes"]  # plus safetensors headers
     assert not stream["inputs_in_memory"]
+    assert len(stream["all_spool_write_seconds"]) == results["config"]["repeats"]
+    for case in results["cases"].values():
+        if "first_seconds" in case:
+            assert case["first_seconds"] == case["all_seconds"][0]
     assert results["cases"]["firm-streaming"]["peak_extra_rss_bytes"] is not None
     assert not list((bench_merge.REPO_ROOT / "outputs" / "bench").glob("spool-*"))
 
 
-def test_spooled_updates_read_one_tensor_at_a_time(tmp_path):
+def test_spooled_rounds_store_the_uploads_afresh_as_the_server_does(tmp_path):
+    """Every call is a new round of the server's spool (the previous files removed): the
+    clients read back one weight at a time from new memory maps, equal to the uploads."""
     cfg = bench_merge.BenchConfig(tensors=2, rows=8, cols=4, dtype="bf16")
     updates, _ = bench_merge.make_inputs(cfg)
-    spooled = bench_merge.spool_uploads(updates, tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"{u.node_id}.safetensors" for u in updates
-    )
-    for mem, disk in zip(updates, spooled, strict=True):
-        assert isinstance(disk.task_vector, bench_merge.FileTensors)
-        assert list(disk.task_vector) == list(mem.task_vector)
-        for key in mem.task_vector:
-            assert torch.equal(disk.task_vector[key], mem.task_vector[key])
-            assert torch.equal(disk.fisher[key], mem.fisher[key])  # type: ignore[index]
-    with pytest.raises(KeyError):
-        spooled[0].task_vector["nope"]
+    rounds = bench_merge.SpooledRounds(UploadSpool(tmp_path / "spool"), updates)
+    for r in (1, 2):
+        rounds()
+        files = sorted(p.name for p in (tmp_path / "spool" / f"round-{r}").iterdir())
+        assert files == sorted(f"node-{u.node_id}.safetensors" for u in updates)
+        assert not (tmp_path / "spool" / f"round-{r - 1}").exists()
+        for mem, disk in zip(updates, rounds.updates, strict=True):
+            assert isinstance(disk.task_vector, DecodedTensors)
+            assert list(disk.task_vector) == list(mem.task_vector)
+            for key in mem.task_vector:
+                assert torch.equal(disk.task_vector[key], mem.task_vector[key])
+                assert torch.equal(disk.fisher[key], mem.fisher[key])  # type: ignore[index]
+    assert len(rounds.write_seconds) == 2 and rounds.spool_bytes > 0
+    rounds.spool.clear()
+    assert not (tmp_path / "spool").exists()
 
 
 @pytest.mark.parametrize("case", ["projection-m1", "firm-projected-m1", "projection-m3-exact"])

@@ -97,6 +97,12 @@ def test_the_dense_server_holds_every_upload_the_streaming_one_does_not(measured
         for m in (dense, compact):
             assert m["peak_extra_bytes"] >= max(m["held_bytes"], 0)
             assert m["merge_seconds"] > 0 and m["receive_seconds"] > 0
+            assert len(m["all_merge_seconds"]) == 3  # the default repeats
+            assert m["first_merge_seconds"] == m["all_merge_seconds"][0]
+            assert m["merge_seconds"] == min(m["all_merge_seconds"])
+        ratio = scale["configs"][config]["compact_over_dense"]
+        assert ratio["best"] == compact["merge_seconds"] / dense["merge_seconds"]
+        assert ratio["first"] == compact["first_merge_seconds"] / dense["first_merge_seconds"]
 
 
 def test_compact_merge_is_exact_per_domain_and_not_when_pooled(measured):
@@ -110,6 +116,8 @@ def test_the_report_and_json(measured, tmp_path):
     cfg, results = measured
     text = bu.format_report(results)
     assert "small" in text and "compact-streaming" in text and "per-domain" in text
+    ratio = results["scales"][0]["configs"]["pooled"]["compact_over_dense"]
+    assert f"pooled {ratio['best']:.2f} / {ratio['first']:.2f}" in text
     json.loads(json.dumps(results))
     assert not any(cfg.work_dir.iterdir())  # the uploads and spools are removed
 

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 import torch
 from flwr.app import ArrayRecord, Message
+from safetensors import safe_open
 
+from fedunlearn.merging import ClientUpdate, firm_merge
+from fedunlearn.merging.kernels import MODE_ENV
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.upload_codec import (
+    DecodedTensors,
     LowRankDelta,
     deflate_mask,
     encode_fisher,
@@ -142,3 +149,47 @@ def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp
     assert f"Fisher tensor {DOWN!r} top-k mask inflates to 767 bytes, expected 768" in excluded[13]
     assert f"task-vector tensor {Q!r} is uploaded as LoRA factors of rank 64" in excluded[14]
     assert "above the run's lora.rank 16" in excluded[14]
+
+
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
+    tmp_path, monkeypatch, kernels
+):
+    """Weights above the selections' direct size (their top-k thresholds counted in one pass,
+    by numpy eagerly, by the C loop compiled): FIRM base from the spool's compact files equals
+    FIRM base from dense uploads in memory bit for bit, one forget client per domain (α' = α).
+    The spool keeps each top-k mask inflated."""
+    monkeypatch.setenv(MODE_ENV, kernels)
+    shapes = {"q": (512, 384), "up": (640, 384)}
+    spool = UploadSpool(tmp_path / "spool")
+    spool.begin_round(1)
+    dense, streamed = [], []
+    for node, role, domain in ((1, "forget", "a"), (2, "forget", "b"), (3, "retain", None)):
+        g = torch.Generator().manual_seed(node)
+        tv = {
+            k: LowRankDelta(torch.randn(r, 8, generator=g), torch.randn(8, c, generator=g), 0.25)
+            for k, (r, c) in shapes.items()
+        }
+        fisher = {k: torch.randn(s, generator=g).mul_(2).exp_() for k, s in shapes.items()}
+        kept = encode_fisher(fisher, "topk", 0.1)
+        exact = {k: DecodedTensors.from_parts(kept, shapes)[k].clone() for k in shapes}
+        dense.append(
+            ClientUpdate(node, role, domain, 1, {k: v.dense() for k, v in tv.items()}, exact)
+        )
+        compact = ClientUpdate(
+            node,
+            role,
+            domain,
+            1,
+            DecodedTensors.from_parts(encode_task_vector(tv, "factors"), shapes),
+            DecodedTensors.from_parts(kept, shapes),
+        )
+        streamed.append(spool.store(compact, shapes))
+    with safe_open(str(tmp_path / "spool" / "round-1" / "node-1.safetensors"), "pt") as f:
+        assert "fisher/q::topk_bits" in f.keys() and "fisher/q::topk_mask" not in f.keys()  # noqa: SIM118
+    want = firm_merge(dense, epsilon=math.inf).delta
+    got = firm_merge(streamed, epsilon=math.inf).delta
+    assert list(got) == list(want)
+    for key in want:
+        assert torch.equal(got[key], want[key])
+    spool.clear()

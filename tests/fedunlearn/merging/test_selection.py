@@ -85,8 +85,8 @@ def test_sample_that_misrepresents_the_tensor_falls_back_exactly() -> None:
     x[step // 2 :: step] = -1.0  # every sampled entry is the minimum
     bits = x.view(torch.int32).numpy()
     for k in (d // 10, d // 2):
-        lo, hi = selection._bracket(bits, k, d, False)
-        above, cand = selection._count_and_collect(bits, lo, hi, False)
+        lo, hi = selection._bracket(bits, k, d, "signed")
+        above, cand = selection._count_and_collect(bits, lo, hi, "signed")
         assert not above < k <= above + cand.size  # the bracket misses: the fallback runs
         assert torch.equal(kth_largest(x, k), _reference(x, k, False))
     assert torch.equal(kth_largest(x, 1), _reference(x, 1, False))
@@ -109,6 +109,36 @@ def test_one_counting_pass_brackets_random_data() -> None:
         above, cand = selection._count_and_collect(bits, lo, hi, "nonnegative")
         assert above < k <= above + cand.size
         assert cand.size < 0.05 * BIG
+
+
+def _decoded_topk(d: int, fraction: float, seed: int) -> torch.Tensor:
+    """A Fisher as a top-k upload decodes it: its top ``fraction`` entries, zeros elsewhere."""
+    f = (2.0 * torch.randn(d, generator=torch.Generator().manual_seed(seed))).exp_()
+    kept = math.floor(fraction * d)
+    return torch.where(f >= torch.kthvalue(f, d - kept + 1).values, f, 0.0)
+
+
+@pytest.mark.parametrize("fraction", [0.1, 0.2])
+def test_a_sparse_tensors_zeros_stay_out_of_the_bracket(fraction: float) -> None:
+    """A decoded top-k Fisher (90 % zeros, its k-th largest the smallest kept entry or a zero):
+    the bracket starts above the zeros, so one pass collects a few per cent of the entries,
+    and the k-th largest is exact whether it lies in the bracket or among the zeros below."""
+    x = _decoded_topk(BIG, fraction, seed=4)
+    bits = x.view(torch.int32).numpy()
+    kept = math.floor(fraction * BIG)
+    for k in (kept // 2, kept, kept + 1, BIG // 2):
+        lo, hi = selection._bracket(bits, k, BIG, "nonnegative")
+        above, cand = selection._count_and_collect(bits, lo, hi, "nonnegative")
+        assert lo >= 1 and cand.size < 0.05 * BIG
+        assert torch.equal(kth_largest(x, k, nonnegative=True), _reference(x, k, False))
+        streamed = selection.StreamedKthLargest(
+            x[selection.sample_positions(BIG)], k, BIG, nonnegative=True
+        )
+        assert streamed.key_bounds()[0] >= 1
+        native = kernels.bracket_counts([x], False, streamed.key_bounds())
+        assert native[2].size < 0.05 * BIG  # the C pass keeps it (it gives up past 1/16)
+        got = streamed.result_of_keys(lambda: x, native[1], native[2])
+        assert torch.equal(got, _reference(x, k, False))
 
 
 @pytest.mark.parametrize("magnitude", [False, True])
