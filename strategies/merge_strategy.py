@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from logging import INFO
 from typing import Any, NoReturn
 
@@ -243,7 +243,13 @@ class MergeStrategy(Strategy):
         if declarations is not None:
             self.delivery.declare(declarations)
         self.delivery.start_round(server_round, arrays)
-        messages = []
+        return self._messages(server_round, arrays, config)
+
+    def _messages(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord
+    ) -> Iterator[Message]:
+        """Each node's TRAIN message, built when it is taken (a grid that sends a few at a
+        time, ``server.max-in-flight``, holds only those nodes' contents)."""
         for position, (node_id, assignment) in enumerate(self.node_assignment.items()):
             node_config = ConfigRecord(
                 {
@@ -261,15 +267,12 @@ class MergeStrategy(Strategy):
             )
             content = self.node_content(server_round, position, arrays, node_config)
             self.delivery.record(node_id, content)
-            messages.append(
-                Message(
-                    content=content,
-                    message_type=MessageType.TRAIN,
-                    dst_node_id=node_id,
-                    group_id=str(server_round),
-                )
+            yield Message(
+                content=content,
+                message_type=MessageType.TRAIN,
+                dst_node_id=node_id,
+                group_id=str(server_round),
             )
-        return messages
 
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord

@@ -398,7 +398,8 @@ class MpuStrategy(MergeStrategy):
         self, server_round: int, node_id: int, content: RecordDict
     ) -> tuple[ClientUpdate, dict[str, Any]]:
         position = list(self.node_assignment).index(node_id)
-        # every copy of the round was built before the first reply (the messages hold them)
+        # the messages built so far hold their copies; a node whose message is built after
+        # this reply (server.max-in-flight) gets the same copies rebuilt from the secret
         self._published = None
         spec = self.reply_spec(node_id)
         task_vectors: list[UploadParts] = []

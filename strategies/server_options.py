@@ -21,6 +21,13 @@ class ServerOptions:
 
     round_timeout: float = option(3600.0, "seconds to wait for a round's replies", POSITIVE)
     node_wait_timeout: float = option(120.0, "seconds to wait for the nodes to connect", POSITIVE)
+    max_in_flight: int = option(
+        0,
+        "with upload.stream, at most this many nodes hold a round's message at a time (the "
+        "next node's message is built and sent when a reply arrives): bounds the server's "
+        "memory for MPU's per-node copies; 0 = every node at once",
+        COUNT,
+    )
     min_replies: int = option(
         0,
         "valid updates a round needs; 0 = one valid forget update per assigned forget domain",

@@ -125,7 +125,12 @@ def federate(
     result = strategy.start(
         # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
         grid=(
-            cast(Grid, StreamingGrid(grid, strategy.receive_reply))
+            cast(
+                Grid,
+                StreamingGrid(
+                    grid, strategy.receive_reply, max_in_flight=settings.server.max_in_flight
+                ),
+            )
             if settings.upload.stream
             else grid
         ),

@@ -129,7 +129,7 @@ def test_a_rebuilt_model_that_does_not_match_is_a_clear_error(
     grid = ClientAppGrid({5: {"base-checkpoint": str(base)}, 6: {}})
     strategy = _strategy(tiny_model, tiny_tokenizer)
     arrays = wire_state(tiny_model)
-    messages = strategy.configure_train(1, arrays, ConfigRecord(), grid)
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     message = next(m for m in messages if m.metadata.dst_node_id == 5)
     config, sent = message.content["config"], message.content["arrays"]
     wrong = ConfigRecord({**dict(config), MODEL_SHA_KEY: "0" * 64})
@@ -150,7 +150,7 @@ def test_unreadable_or_malformed_bases_get_the_full_model_and_keep_their_role(
         {5: {"base-checkpoint": str(tmp_path / "missing")}, 6: {"base-checkpoint": str(base)}}
     )
     strategy = _strategy(tiny_model, tiny_tokenizer)
-    messages = strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid)
+    messages = list(strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid))
     assert [
         strategy.delivery.report(m.metadata.dst_node_id)["model_delivery"] for m in messages
     ] == [
@@ -171,7 +171,7 @@ def test_a_resumed_run_sends_the_full_model_and_says_why(
     grid = ClientAppGrid({5: {"base-checkpoint": str(base)}, 6: {}})
     strategy = _strategy(tiny_model, tiny_tokenizer)
     strategy.round_offset = 1
-    messages = strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid)
+    messages = list(strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid))
     assert all(len(m.content["arrays"]) == len(tiny_model.state_dict()) for m in messages)
     assert "node 5 gets the full model: the run resumed at round 2" in caplog.text
     assert "node 6 gets the full model: it declares no base-checkpoint" in caplog.text
@@ -181,7 +181,7 @@ def test_without_any_base_one_line_says_so(server_identity, tiny_model, tiny_tok
     strategy = _strategy(tiny_model, tiny_tokenizer)
     grid = ClientAppGrid({5: {}, 6: {}})
     for server_round in (1, 2):
-        strategy.configure_train(server_round, wire_state(tiny_model), ConfigRecord(), grid)
+        list(strategy.configure_train(server_round, wire_state(tiny_model), ConfigRecord(), grid))
     assert caplog.text.count("full model") == 1
     assert "every node gets the full model: none declares a base-checkpoint" in caplog.text
 
@@ -233,7 +233,7 @@ def test_an_offer_the_node_cannot_read_gets_the_full_model(
 ):
     grid = ClientAppGrid({5: dict(SIMULATED), 6: dict(SIMULATED)})
     strategy = _offering_strategy(tiny_model, tiny_tokenizer, tmp_path / "not-here")
-    strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid)
+    list(strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid))
     assert {strategy.delivery.report(n)["model_delivery"] for n in (5, 6)} == {"full"}
     assert "node 5 gets the full model: its base-checkpoint cannot be used" in caplog.text
     assert "not-here is not a checkpoint folder (no config.json)" in caplog.text
@@ -246,7 +246,7 @@ def test_delivery_full_sends_the_whole_model_to_nodes_holding_the_base(
     grid = ClientAppGrid({5: dict(SIMULATED), 6: {"base-checkpoint": str(base)}})
     strategy = _offering_strategy(tiny_model, tiny_tokenizer, base, delivery="full")
     arrays = wire_state(tiny_model)
-    messages = strategy.configure_train(1, arrays, ConfigRecord(), grid)
+    messages = list(strategy.configure_train(1, arrays, ConfigRecord(), grid))
     assert all(len(m.content["arrays"]) == len(arrays) for m in messages)
     assert {strategy.delivery.report(n)["model_delivery"] for n in (5, 6)} == {"full"}
     assert "every node gets the full model: model.delivery='full'" in caplog.text
