@@ -147,6 +147,10 @@ class MergeStrategy(Strategy):
     delivery : str (default: "auto")
         ``model.delivery``: ``auto`` sends a node holding the base only what differs from it,
         ``full`` the whole model every round.
+    model_dtype : torch.dtype | None (default: None)
+        The dtype of the model the weights are loaded into: each round reports
+        ``applied_relative_error`` = ‖(θ_new in that dtype − θ) − Δ‖ / ‖Δ‖, how much of the
+        merged update it keeps (float32: the rounding of θ + Δ); None: not reported.
     """
 
     copies: int = 1  # copies of the model each node receives per round (MPU: m)
@@ -172,6 +176,7 @@ class MergeStrategy(Strategy):
         spool: UploadSpool | None = None,
         base_offer: str | None = None,
         delivery: str = "auto",
+        model_dtype: torch.dtype | None = None,
     ) -> None:
         if not assignments:
             raise ValueError("MergeStrategy needs at least one client assignment")
@@ -194,6 +199,8 @@ class MergeStrategy(Strategy):
         self.client_norm_ratio = check_ratio("server.client-norm-ratio", client_norm_ratio)
         self.max_update_ratio = check_ratio("server.max-update-ratio", max_update_ratio)
         self.update_ratio = math.nan  # ‖η·Δ‖ / ‖θ‖ of the last merged round
+        self.model_dtype = model_dtype
+        self.applied_error: float | None = None  # of the last merged round (model_dtype)
         self._reports: dict[int, dict[str, Any]] = {}  # node id → its report, this round
         self.needs_fisher = merge_needs_fisher(self.merge_fn)
         self.node_assignment: dict[int, ClientAssignment] = {}
@@ -508,8 +515,16 @@ class MergeStrategy(Strategy):
             problem = nonfinite_problem(new_weights, "the new weights'")
         if problem is not None:
             self._fail(server_round, f"the merged update is not safe to apply: {problem}")
+        lost, total = 0.0, 0.0  # ‖what the model's dtype rounds away‖², ‖Δ‖²
         for key in delta:
-            arrays[key] = Array(updated(key).contiguous().numpy())
+            new = updated(key)
+            if self.model_dtype is not None:
+                kept = new.to(self.model_dtype).double() - weights[key].double()
+                lost += float(((kept - delta[key].double()) ** 2).sum())
+                total += float((delta[key].double() ** 2).sum())
+            arrays[key] = Array(new.contiguous().numpy())
+        if self.model_dtype is not None:
+            self.applied_error = math.sqrt(lost / total) if total > 0 else 0.0
         return arrays
 
     def release_weights(self) -> None:
@@ -528,6 +543,7 @@ class MergeStrategy(Strategy):
                     **(self.last_merge.report if self.last_merge else {}),
                     "seconds": self.merge_seconds,
                     "update_ratio": self.update_ratio,
+                    "applied_relative_error": self.applied_error,
                     "round_peak_rss_bytes": self.round_peak_rss_bytes,
                     "streamed": self.spool is not None,
                 },

@@ -61,15 +61,19 @@ def run_unlearning(
 
     strategy = build_strategy(settings, run_model, checkpoint, done, output_dir)
     t0 = time.perf_counter()
-    final, record = federate(grid, strategy, settings, model, done, resumed_state, resumed_record)
+    final: Mapping[str, torch.Tensor]
+    if done >= settings.num_rounds:
+        log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
+        assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
+        final, record = resumed_state, resumed_record
+    else:
+        initial = ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
+        resumed_state = None  # the arrays hold them now
+        final, record = federate(grid, strategy, settings, model, initial, done)
+        del initial
     phases["federated_round"] = time.perf_counter() - t0
 
     # the original model becomes the unlearned one in place (its metrics are taken)
-    applied_error = (
-        applied_update_error(model, final, strategy.last_merge.delta)
-        if strategy.last_merge
-        else None
-    )
     load_in_place(model, final)
     del final, resumed_state
     strategy.release_weights()  # the model holds the final weights now
@@ -86,7 +90,7 @@ def run_unlearning(
         "config": settings.as_dict(),
         "metrics": metrics,
         "clients": record["clients"],
-        "merge": {**record["merge"], "applied_relative_error": applied_error},
+        "merge": record["merge"],
         "substrate": run_model.info,
         **({"mpu": record["mpu"]} if "mpu" in record else {}),
         "assignments": record["assignments"],
@@ -109,36 +113,35 @@ def federate(
     strategy: MergeStrategy,
     settings: RunSettings,
     model: torch.nn.Module,
+    initial: ArrayRecord,
     done: int,
-    resumed_state: dict[str, torch.Tensor] | None,
-    resumed_record: dict[str, Any],
 ) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
-    """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from θ (or the resumed weights):
-    the final weights (decoded one at a time when read) and the strategy's record; with every
-    round done before, the saved ones."""
-    if done >= settings.num_rounds:
-        log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
-        assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
-        return resumed_state, resumed_record
-    initial = ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
-    del resumed_state  # the arrays hold them now
-    result = strategy.start(
-        # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
-        grid=(
-            cast(
-                Grid,
-                StreamingGrid(
-                    grid, strategy.receive_reply, max_in_flight=settings.server.max_in_flight
-                ),
-            )
-            if settings.upload.stream
-            else grid
-        ),
-        initial_arrays=initial,
-        num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
-        timeout=settings.server.round_timeout,
-        train_config=ConfigRecord(),
-    )
+    """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from ``initial`` (θ, or the resumed
+    weights): the final weights (decoded one at a time when read) and the strategy's record.
+    ``model``'s parameters are emptied meanwhile and restored uninitialised (the caller loads
+    the final weights into them)."""
+    # while the rounds run, the weights live in the strategy's arrays only
+    shapes = release_parameters(model)
+    try:
+        result = strategy.start(
+            # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
+            grid=(
+                cast(
+                    Grid,
+                    StreamingGrid(
+                        grid, strategy.receive_reply, max_in_flight=settings.server.max_in_flight
+                    ),
+                )
+                if settings.upload.stream
+                else grid
+            ),
+            initial_arrays=initial,
+            num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+            timeout=settings.server.round_timeout,
+            train_config=ConfigRecord(),
+        )
+    finally:
+        restore_parameters(model, shapes)  # their values: load_in_place, from the arrays
     return decoded_arrays(result.arrays), strategy.round_record()
 
 
@@ -148,6 +151,23 @@ def load_in_place(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -
     with torch.no_grad():
         for key in weights:
             state[key].copy_(weights[key])
+
+
+def release_parameters(model: torch.nn.Module) -> dict[str, torch.Size]:
+    """Free the storage of every parameter of ``model`` (tied ones once); returns their
+    shapes for :func:`restore_parameters`."""
+    shapes = {}
+    for name, param in model.named_parameters():
+        shapes[name] = param.shape
+        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return shapes
+
+
+def restore_parameters(model: torch.nn.Module, shapes: Mapping[str, torch.Size]) -> None:
+    """Give the parameters :func:`release_parameters` emptied storage of their shapes again
+    (uninitialised: the caller loads their values)."""
+    for name, param in model.named_parameters():
+        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
 
 
 def evaluate_before(settings: RunSettings, run_model: RunModel) -> dict[str, Any]:
@@ -202,6 +222,7 @@ def build_strategy(
         "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.upload.stream else None,
         "base_offer": str(run_model.checkpoint) if run_model.checkpoint else None,
         "delivery": settings.model.delivery,
+        "model_dtype": model.dtype,
     }
     if settings.wrapper == "mpu":
         strategy: MergeStrategy = MpuStrategy(
@@ -277,21 +298,3 @@ def open_checkpoint(
         )
     log(INFO, "resuming after round %d of %d from %s", done, settings.num_rounds, checkpoint.folder)
     return checkpoint, done, state, record
-
-
-def applied_update_error(
-    original: torch.nn.Module,
-    final: Mapping[str, torch.Tensor],
-    delta: Mapping[str, torch.Tensor],
-) -> float:
-    """‖(θ_unlearned − θ₀) − Δ‖ / ‖Δ‖: how much of the merged update the model's dtype kept
-    (0 in float32; a bfloat16 model rounds small entries of Δ away). ``final`` are the new
-    weights before they are cast to the model's dtype, ``original`` still holds θ₀."""
-    before = original.state_dict()
-    num, den = 0.0, 0.0
-    for name, d in delta.items():
-        kept = final[name].to(before[name].dtype).double().cpu()
-        applied = kept - before[name].double().cpu()
-        num += float(((applied - d.double()) ** 2).sum())
-        den += float((d.double() ** 2).sum())
-    return (num / den) ** 0.5 if den > 0 else 0.0

@@ -206,6 +206,9 @@ def test_absurd_update_of_a_two_client_role_fails_the_round_and_saves_nothing(tm
     ):
         strategy.aggregate_train(1, replies)
     assert strategy.last_merge is None and not checkpoint.weights_path.exists()
+    # the global arrays (updated in place by a round that passes) are untouched
+    kept = strategy.global_arrays.to_torch_state_dict()
+    assert all(torch.equal(kept[k], v) for k, v in STATE.items())
     # the same round with the honest client instead is saved
     strategy.aggregate_train(1, [_reply(12), _reply(13), _reply(14)])
     assert checkpoint.weights_path.exists() and strategy.last_merge is not None
@@ -320,3 +323,21 @@ def test_ratio_keys_are_off_or_at_least_one(name):
         RunSettings.from_run_config({key: 0.5})
     with pytest.raises(ValueError, match=key):
         _strategy(**{name: 0.5})
+
+
+@pytest.mark.parametrize(("dtype", "lost"), [(torch.float32, False), (torch.bfloat16, True)])
+def test_the_round_reports_what_the_models_dtype_keeps_of_the_update(dtype, lost):
+    strategy = _strategy(model_dtype=dtype)
+    arrays, _ = strategy.aggregate_train(1, _replies())
+    new = arrays.to_torch_state_dict()
+    delta = strategy.last_merge.delta
+    assert all(torch.equal(new[k], STATE[k] + delta[k]) for k in delta)  # float32 θ + Δ
+    error = strategy.round_record()["merge"]["applied_relative_error"]
+    applied = sum(
+        float(((new[k].to(dtype).double() - STATE[k].double() - delta[k].double()) ** 2).sum())
+        for k in delta
+    )
+    norm = sum(float((delta[k].double() ** 2).sum()) for k in delta)
+    assert error == pytest.approx(math.sqrt(applied / norm), rel=1e-9)
+    # float32 keeps Δ up to the rounding of θ + Δ; bfloat16 rounds small entries away
+    assert (error > 1e-3) if lost else error < 1e-6
