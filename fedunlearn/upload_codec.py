@@ -462,6 +462,15 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
             raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
         return tuple(self._shapes[key]), torch.float32, cpu
 
+    def kept_values(self, key: str) -> torch.Tensor | None:
+        """The values a ``topk`` weight was sent with, in float32 and index order (every other
+        entry decodes as 0); None for the other forms. Checked against the mask only when the
+        weight is decoded."""
+        form, names = self._groups[key]
+        if form != "topk":
+            return None
+        return _float(key, "topk_value", self._get_part(names["topk_value"])).float().reshape(-1)
+
     def _buffer(self, numel: int) -> torch.Tensor:
         """Flat float32 memory for ``numel`` entries: the last weight's, when nothing but this
         mapping refers to it (its storage's only other holder is ``_memory`` itself)."""

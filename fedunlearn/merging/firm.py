@@ -15,7 +15,7 @@ Per weight tensor t (processed one at a time, never concatenated):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -203,6 +203,27 @@ def _group(
     return domains, retain
 
 
+def _kept_sparsifier(
+    flat: torch.Tensor, kept: torch.Tensor, alpha: float, eps0: float
+) -> _SparsifiedFisher:
+    """:func:`_sparsifier` of a lone flat Fisher whose non-zero entries are all among ``kept``
+    (a top-k upload's values, every other entry 0), from ``kept`` alone.
+
+    The same scale and threshold: the entries are ``kept`` and zeros, all ``>= 0``, so the
+    maximum is ``kept``'s (0 if none) and the k-th largest is ``kept``'s k-th largest when
+    ``kept`` has k entries, else 0; the same float32 arithmetic follows.
+    """
+    d, n = flat.numel(), kept.numel()
+    zero = torch.zeros((), dtype=torch.float32, device=flat.device)
+    top = kept.max().to(torch.float32) if n else zero
+    scale = top + eps0
+    k = support_size(d, alpha) if d else 0
+    if k >= d:
+        return _SparsifiedFisher.of([flat], scale, -math.inf)
+    kth = kth_largest(kept, k, nonnegative=True).to(torch.float32) if k <= n else zero
+    return _SparsifiedFisher.of([flat], scale, below(kth / scale))
+
+
 def _pooled_sparsifier(
     fishers: Sequence[torch.Tensor],
     device: torch.device,
@@ -309,20 +330,37 @@ def _tensor_inputs(
     retain: Sequence[int],
     params: tuple[float, float],
     compiled: bool,
+    kept: Sequence[torch.Tensor | None] = (),
 ) -> _TensorInputs:
-    """Pool every forget domain's Fisher and find every threshold (one pass per Fisher)."""
+    """Pool every forget domain's Fisher and find every threshold (one pass per Fisher; none
+    for a lone Fisher whose ``kept`` values are known, see :func:`_kept_sparsifier`)."""
     alpha, eps0 = params
     device = tvs[0].device
     flat_tv = [t.reshape(-1) for t in tvs]
-    forget = []
-    for members in domains:
-        pooled = _pooled_sparsifier([fishers[i] for i in members], device, alpha, eps0, compiled)
-        forget.append((pooled, [flat_tv[i] for i in members]))
-    kept = [
-        (_pooled_sparsifier([fishers[i].to(device)], device, alpha, eps0, compiled), flat_tv[i])
-        for i in retain
+
+    def sparsifier(sources: list[torch.Tensor], lone: int | None) -> _SparsifiedFisher:
+        values = kept[lone] if lone is not None and lone < len(kept) else None
+        if values is not None and sources[0].device == device:
+            return _kept_sparsifier(sources[0].reshape(-1), values.to(device), alpha, eps0)
+        return _pooled_sparsifier(sources, device, alpha, eps0, compiled)
+
+    forget = [
+        (
+            sparsifier([fishers[i] for i in members], members[0] if len(members) == 1 else None),
+            [flat_tv[i] for i in members],
+        )
+        for members in domains
     ]
-    return _TensorInputs(forget, kept, flat_tv[0].numel(), device)
+    retained = [(sparsifier([fishers[i].to(device)], i), flat_tv[i]) for i in retain]
+    return _TensorInputs(forget, retained, flat_tv[0].numel(), device)
+
+
+def _kept_values(fisher: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:
+    """The values of weight ``key``'s Fisher that can be non-zero, every other entry being 0,
+    where ``fisher`` tells them without decoding (a ``kept_values(key)`` method, as
+    ``fedunlearn.upload_codec.DecodedTensors`` has for a top-k upload); else None."""
+    kept_values = getattr(fisher, "kept_values", None)
+    return kept_values(key) if callable(kept_values) else None
 
 
 #: Positions in :func:`firm_kernel`'s sums (then ``m`` damages before, ``m`` after).
@@ -496,12 +534,13 @@ def firm_merge(
     for key in keys:
         tvs = [u.task_vector[key] for u in updates]
         fishers = [u.fisher[key] for u in updates]  # type: ignore[index]
-        inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, (alpha, eps0), compiled)
+        kept = [_kept_values(u.fisher, key) for u in updates]  # type: ignore[arg-type]
+        inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, (alpha, eps0), compiled, kept)
         out_dtype = tvs[0].dtype
         for t in tvs[1:]:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
         shape = tvs[0].shape
-        del tvs, fishers
+        del tvs, fishers, kept
         params = (gamma_f, gamma_r, eps0)
         out, fts, sums = _merge_tensor(inp, params, out_dtype, project, compiled)
         del inp

@@ -151,27 +151,30 @@ def test_a_bad_compact_upload_excludes_only_that_client_and_names_the_tensor(tmp
     assert "above the run's lora.rank 16" in excluded[14]
 
 
+@pytest.mark.parametrize("fraction", [0.1, 0.04])
 @pytest.mark.parametrize("kernels", ["eager", "compiled"])
 def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
-    tmp_path, monkeypatch, kernels
+    tmp_path, monkeypatch, kernels, fraction
 ):
-    """Weights above the selections' direct size (their top-k thresholds counted in one pass,
-    by numpy eagerly, by the C loop compiled): FIRM base from the spool's compact files equals
-    FIRM base from dense uploads in memory bit for bit, one forget client per domain (α' = α).
-    The spool keeps each top-k mask inflated."""
+    """Weights above the selections' direct size (a pooled Fisher's threshold counted in one
+    pass, by numpy eagerly, by the C loop compiled; a lone top-k Fisher's taken from its kept
+    values): FIRM base from the spool's compact files equals FIRM base from the same uploads
+    decoded, dense in memory, bit for bit, with α' = α and α' < α (a lone Fisher's k-th
+    largest is then a zero). The spool keeps each top-k mask inflated."""
     monkeypatch.setenv(MODE_ENV, kernels)
     shapes = {"q": (512, 384), "up": (640, 384)}
     spool = UploadSpool(tmp_path / "spool")
     spool.begin_round(1)
     dense, streamed = [], []
-    for node, role, domain in ((1, "forget", "a"), (2, "forget", "b"), (3, "retain", None)):
+    clients = ((1, "forget", "a"), (2, "forget", "b"), (3, "forget", "b"), (4, "retain", None))
+    for node, role, domain in clients:
         g = torch.Generator().manual_seed(node)
         tv = {
             k: LowRankDelta(torch.randn(r, 8, generator=g), torch.randn(8, c, generator=g), 0.25)
             for k, (r, c) in shapes.items()
         }
         fisher = {k: torch.randn(s, generator=g).mul_(2).exp_() for k, s in shapes.items()}
-        kept = encode_fisher(fisher, "topk", 0.1)
+        kept = encode_fisher(fisher, "topk", fraction)
         exact = {k: DecodedTensors.from_parts(kept, shapes)[k].clone() for k in shapes}
         dense.append(
             ClientUpdate(node, role, domain, 1, {k: v.dense() for k, v in tv.items()}, exact)
