@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 from clients.base_checkpoint import base_declaration, received_model
 from clients.fit_task import fit_reply
 from clients.local_data import client_scenario, shard
+from fedunlearn.allocator import return_freed_memory
 from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.quantization import quantize_4bit
 from fedunlearn.objectives import objective_requirements
@@ -88,6 +89,7 @@ def query(msg: Message, context: Context) -> Message:
 @app.train(FIT_ACTION)
 def fit(msg: Message, context: Context) -> Message:
     """One round of a DP2Unlearning stage's federated training (``train.fit`` messages)."""
+    return_freed_memory()
     return fit_reply(msg, context)
 
 
@@ -98,6 +100,7 @@ def train(msg: Message, context: Context) -> Message:
     With ``mpu.copies`` = m the message holds m published copies (``arrays-0`` ...); the
     client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
     """
+    return_freed_memory()  # the process holds what it uses, not the most it ever held
     owner = f"node {context.node_id}"
     config = typed_record(msg.content, "config", ConfigRecord, owner)
     role = str(config["role"])

@@ -15,6 +15,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
+from fedunlearn.allocator import return_freed_memory
 from fedunlearn.files import exclusive_folder
 from fedunlearn.mpu import plan_reparam
 from strategies.checkpoint import (
@@ -58,6 +59,7 @@ def main(grid: Grid, context: Context) -> None:
     """Run one federated unlearning request end to end: load (or build) the model, then the
     pipeline the run names (:data:`PIPELINES`), then results.json and report.html."""
     run_started = time.perf_counter()
+    return_freed_memory()  # freed tensors leave the process (fedunlearn.allocator)
     logging.getLogger("flwr").propagate = False  # one copy of each line, not two
     settings = RunSettings.from_run_config(dict(context.run_config))
     output_dir = settings.resolved_output_dir()

@@ -7,13 +7,14 @@ config names (:class:`~strategies.merge_strategy.MergeStrategy`), or MPU around 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Mapping, MutableMapping
 from logging import INFO
 from pathlib import Path
 from typing import Any, cast
 
 import torch
-from flwr.app import ArrayRecord, ConfigRecord
+from flwr.app import Array, ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers import PreTrainedModel
@@ -36,7 +37,7 @@ from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
 from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
-from wire.messages import decoded_arrays, describe_model, wire_state
+from wire.messages import describe_model
 
 
 def run_unlearning(
@@ -61,21 +62,26 @@ def run_unlearning(
 
     strategy = build_strategy(settings, run_model, checkpoint, done, output_dir)
     t0 = time.perf_counter()
-    final: Mapping[str, torch.Tensor]
+    final: MutableMapping[str, Any]  # the final weights, taken out as they are loaded
+    shapes: dict[str, torch.Size] | None = None  # the emptied parameters' shapes
     if done >= settings.num_rounds:
         log(INFO, "all %d rounds were finished before: evaluating the saved weights", done)
         assert resumed_state is not None  # done >= num-rounds >= 1: a round was loaded
         final, record = resumed_state, resumed_record
     else:
-        initial = ArrayRecord(resumed_state) if resumed_state is not None else wire_state(model)
-        resumed_state = None  # the arrays hold them now
-        final, record = federate(grid, strategy, settings, model, initial, done)
+        # while the rounds run, the weights live in the strategy's arrays only
+        if resumed_state is not None:
+            initial, shapes = ArrayRecord(resumed_state), release_parameters(model)
+            resumed_state = None
+        else:
+            initial, shapes = move_into_arrays(model)
+        final, record = federate(grid, strategy, settings, initial, done)
         del initial
     phases["federated_round"] = time.perf_counter() - t0
 
     # the original model becomes the unlearned one in place (its metrics are taken)
-    load_in_place(model, final)
-    del final, resumed_state
+    load_into(model, final, shapes)
+    del final
     strategy.release_weights()  # the model holds the final weights now
     unlearned = model
     t0 = time.perf_counter()
@@ -109,65 +115,79 @@ def run_unlearning(
 
 
 def federate(
-    grid: Grid,
-    strategy: MergeStrategy,
-    settings: RunSettings,
-    model: torch.nn.Module,
-    initial: ArrayRecord,
-    done: int,
-) -> tuple[Mapping[str, torch.Tensor], dict[str, Any]]:
+    grid: Grid, strategy: MergeStrategy, settings: RunSettings, initial: ArrayRecord, done: int
+) -> tuple[ArrayRecord, dict[str, Any]]:
     """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from ``initial`` (θ, or the resumed
-    weights): the final weights (decoded one at a time when read) and the strategy's record.
-    ``model``'s parameters are emptied meanwhile and restored uninitialised (the caller loads
-    the final weights into them)."""
-    # while the rounds run, the weights live in the strategy's arrays only
-    shapes = release_parameters(model)
-    try:
-        result = strategy.start(
-            # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
-            grid=(
-                cast(
-                    Grid,
-                    StreamingGrid(
-                        grid, strategy.receive_reply, max_in_flight=settings.server.max_in_flight
-                    ),
-                )
-                if settings.upload.stream
-                else grid
-            ),
-            initial_arrays=initial,
-            num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
-            timeout=settings.server.round_timeout,
-            train_config=ConfigRecord(),
-        )
-    finally:
-        restore_parameters(model, shapes)  # their values: load_in_place, from the arrays
-    return decoded_arrays(result.arrays), strategy.round_record()
+    weights): the final weights and the strategy's record."""
+    result = strategy.start(
+        # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
+        grid=(
+            cast(
+                Grid,
+                StreamingGrid(
+                    grid, strategy.receive_reply, max_in_flight=settings.server.max_in_flight
+                ),
+            )
+            if settings.upload.stream
+            else grid
+        ),
+        initial_arrays=initial,
+        num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+        timeout=settings.server.round_timeout,
+        train_config=ConfigRecord(),
+    )
+    return result.arrays, strategy.round_record()
 
 
-def load_in_place(model: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` into ``model`` one tensor at a time (cast to each weight's dtype)."""
+def move_into_arrays(model: torch.nn.Module) -> tuple[ArrayRecord, dict[str, torch.Size]]:
+    """The model's weights as the float32 arrays the rounds start from (``wire_state``'s),
+    moved one tensor at a time: a parameter's storage is freed once every key of it is in the
+    arrays, so the weights are never held twice. Returns the arrays and the emptied
+    parameters' shapes (for :func:`load_into`)."""
+    shapes = {name: param.shape for name, param in model.named_parameters()}
+    owners = {param.data_ptr(): param for param in model.parameters()}
+    state = model.state_dict()
+    keys_left = Counter(tensor.data_ptr() for tensor in state.values())
+    arrays = ArrayRecord()
+    for key in list(state):
+        tensor = state.pop(key).detach()
+        arrays[key] = Array(tensor.to("cpu", torch.float32).contiguous().numpy())
+        pointer = tensor.data_ptr()
+        del tensor
+        keys_left[pointer] -= 1
+        if keys_left[pointer] == 0 and pointer in owners:
+            param = owners.pop(pointer)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+    return arrays, shapes
+
+
+def load_into(
+    model: torch.nn.Module,
+    weights: MutableMapping[str, Any],
+    shapes: Mapping[str, torch.Size] | None = None,
+) -> None:
+    """Copy ``weights`` (tensors or arrays) into ``model`` and take each out of ``weights``
+    once copied; parameters emptied by :func:`move_into_arrays` or
+    :func:`release_parameters` (``shapes``) get storage again first."""
+    if shapes is not None:
+        for name, param in model.named_parameters():
+            if param.shape != shapes[name]:  # emptied: its values come from ``weights``
+                param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
     state = model.state_dict()
     with torch.no_grad():
-        for key in weights:
-            state[key].copy_(weights[key])
+        for key in list(weights):
+            value = weights.pop(key)
+            state[key].copy_(torch.from_numpy(value.numpy()) if isinstance(value, Array) else value)
 
 
 def release_parameters(model: torch.nn.Module) -> dict[str, torch.Size]:
     """Free the storage of every parameter of ``model`` (tied ones once); returns their
-    shapes for :func:`restore_parameters`."""
+    shapes for :func:`load_into`."""
     shapes = {}
     for name, param in model.named_parameters():
         shapes[name] = param.shape
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
     return shapes
-
-
-def restore_parameters(model: torch.nn.Module, shapes: Mapping[str, torch.Size]) -> None:
-    """Give the parameters :func:`release_parameters` emptied storage of their shapes again
-    (uninitialised: the caller loads their values)."""
-    for name, param in model.named_parameters():
-        param.data = torch.empty(shapes[name], dtype=param.dtype, device=param.device)
 
 
 def evaluate_before(settings: RunSettings, run_model: RunModel) -> dict[str, Any]:
