@@ -38,6 +38,8 @@ LONGEST_FILES = (
     "tests/simulations/test_objectives_flower.py",  # 4
     "tests/simulations/test_mpu_flower.py",  # 4
     "tests/simulations/test_deploy.py",  # 3.5
+    "tests/simulations/test_memory_bounds.py",  # 3: two runs, one of a 0.26 GB model
+    "tests/simulations/test_scale_check.py",  # 2.6
     "tests/simulations/test_studies.py",  # 3
     "tests/simulations/test_model_delivery_flower.py",  # 2
     "tests/simulations/test_flwr_run.py",  # 2
