@@ -116,11 +116,11 @@ class ClientUpdate:
             raise ValueError(f"client {nid!r}: fisher has tensor(s) {extra} with no task vector")
         for key, fi in self.fisher.items():
             _check_tensor(nid, "Fisher", key, fi, nonneg=True)
-            tv = self.task_vector[key]
-            if tuple(fi.shape) != tuple(tv.shape):
+            tv_shape = described(self.task_vector, key)[0]
+            if tuple(fi.shape) != tv_shape:
                 raise ValueError(
                     f"client {nid!r}: Fisher tensor {key!r} has shape {tuple(fi.shape)} "
-                    f"but its task vector has shape {tuple(tv.shape)}"
+                    f"but its task vector has shape {tv_shape}"
                 )
 
 
