@@ -1,6 +1,6 @@
 """Compact uploads: how a client's task vector Δθ and Fisher diagonal F̂ travel as tensors.
 
-A client's summary (SPEC §1) is one task vector and one Fisher diagonal per adapted weight.
+A client's summary is one task vector and one Fisher diagonal per adapted weight.
 Sent dense in float32 that is 8 bytes per weight entry; this module encodes each weight's
 pair more compactly as a flat ``{part name: tensor}`` dict (what a Flower ArrayRecord or a
 safetensors file holds) and decodes it back to dense tensors one weight at a time.
