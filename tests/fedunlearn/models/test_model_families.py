@@ -5,15 +5,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config
 
-from fedunlearn.fisher import empirical_fisher_diagonal
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
 from fedunlearn.qa_format import encode_qa
 from fedunlearn.training.lora import (
-    LocalTrainSettings,
     LoraSettings,
     adapted_parameter_names,
-    train_lora_task_vector,
 )
+from tests.fedunlearn.models.client_pipeline import check_client_pipeline
 from wire.messages import describe_model, rebuild_model, wire_state
 
 FAMILIES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config}
@@ -57,23 +55,8 @@ def test_family_runs_the_client_pipeline(checkpoint, tiny_data):
     )
     assert adapted_parameter_names(model, wmdp_style) == ["model.layers.1.mlp.down_proj.weight"]
 
-    rebuilt = rebuild_model(describe_model(model, tokenizer), wire_state(model))
-    x = torch.tensor([examples[0][0]])
-    with torch.no_grad():
-        assert torch.equal(rebuilt(x).logits, model(x).logits)
-
-    fisher = empirical_fisher_diagonal(model, examples, names, pad_token_id=tokenizer.pad_token_id)
-    task_vector, _ = train_lora_task_vector(
-        model,
-        examples,
-        pad_token_id=tokenizer.pad_token_id,
-        lora=lora,
-        train=LocalTrainSettings(objective="ga", steps=2, lr=1e-3, batch_size=3),
-    )
-    assert sorted(fisher) == sorted(task_vector) == sorted(names)
-    for name in names:
-        assert task_vector[name].shape == fisher[name].shape == model.get_parameter(name).shape
-        assert (fisher[name] >= 0).all() and fisher[name].sum() > 0
+    config = describe_model(model, tokenizer)
+    check_client_pipeline(model, tokenizer, examples, lora, names, config, batch_size=3)
 
 
 def test_dtype_names():
