@@ -22,7 +22,12 @@ over them (16 entries per AVX-512 expand where the CPU has it), zeros elsewhere.
 The functions are built once per machine with the C compiler (``$CC`` or ``cc``, ``-O3
 -march=native``) into ``$FEDUNLEARN_CACHE_DIR/kernels`` (default ``~/.cache/fedunlearn/kernels``),
 under a name hashed from the source, the compiler, the flags and the CPU, written to a temporary
-name and moved into place (two processes building at once both succeed).  They run through
+name and moved into place (two processes building at once both succeed).  A library runs with
+the rights of the process that loads it, so before loading one the cache is checked
+(:func:`check_private`): the folder (created ``0700``) and the library must belong to the
+current user and be writable by nobody else, and the library must be a regular file (no link);
+otherwise :class:`KernelCacheError` names the path and the problem and nothing is loaded or
+built there.  They run through
 ``ctypes`` (which releases the GIL) on slices spread over the intra-op threads.  Where no
 compiler is found, the build fails, or an input is not of the dtypes they read on the CPU, they
 return ``None`` and the caller takes its general path (inductor kernels, numpy).
@@ -37,6 +42,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 from collections.abc import Sequence
 from pathlib import Path
@@ -267,6 +273,40 @@ def _cpu_signature() -> str:
     return platform.machine() + "".join(dict.fromkeys(wanted))
 
 
+class KernelCacheError(RuntimeError):
+    """The kernel cache holds a folder or library that another user could have written."""
+
+
+def check_private(path: Path, kind: str) -> None:
+    """Refuse ``path`` (``kind``: "folder" or "library") unless the current user owns it and
+    neither its group nor others may write to it; a library must be a regular file, not a link.
+
+    Raises :class:`KernelCacheError` naming the path and what is wrong with it.
+    """
+    info = path.lstat() if kind == "library" else path.stat()
+    problems = []
+    if kind == "library" and not stat.S_ISREG(info.st_mode):
+        problems.append("is not a regular file (a link or a special file)")
+    if kind == "folder" and not stat.S_ISDIR(info.st_mode):
+        problems.append("is not a folder")
+    if info.st_uid != os.getuid():
+        problems.append(f"belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
+    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable:
+        who = " and ".join(
+            w
+            for bit, w in ((stat.S_IWGRP, "its group"), (stat.S_IWOTH, "others"))
+            if writable & bit
+        )
+        problems.append(f"is writable by {who} (mode {stat.S_IMODE(info.st_mode):04o})")
+    if problems:
+        raise KernelCacheError(
+            f"refusing the native merge-loop {kind} {path}: it {'; it '.join(problems)}. "
+            "Whoever can write it can run code in this process; remove it (or `chmod go-w` "
+            "what you own) or point $FEDUNLEARN_CACHE_DIR at a private folder"
+        )
+
+
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CC", "cc"))
 
@@ -281,9 +321,11 @@ def _build(compiler: str) -> Path:
     ).hexdigest()[:16]
     folder = default_cache_dir() / "kernels"
     library = folder / f"merge-loops-{digest}.so"
-    if library.exists():
-        return library
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    check_private(folder, "folder")  # an existing folder keeps its mode: checked, not trusted
+    if library.is_symlink() or library.exists():
+        check_private(library, "library")
+        return library
     source = temp_path(folder / f"merge-loops-{digest}.c")
     built = temp_path(library)
     try:
@@ -294,6 +336,7 @@ def _build(compiler: str) -> Path:
             text=True,
             check=True,
         )
+        os.chmod(built, 0o700)  # whatever the umask: the load check refuses group write
         os.replace(built, library)
     finally:
         source.unlink(missing_ok=True)
@@ -303,7 +346,11 @@ def _build(compiler: str) -> Path:
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The built C functions (loaded once per process), or ``None`` where they cannot be built."""
+    """The built C functions (loaded once per process), or ``None`` where they cannot be built.
+
+    Raises :class:`KernelCacheError` when the cache folder or the library is not private to
+    this user (see :func:`check_private`): such a library is never loaded.
+    """
     compiler = _compiler()
     if compiler is None:
         return None

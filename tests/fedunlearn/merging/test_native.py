@@ -1,8 +1,11 @@
-"""The C counting pass of the top-k selections: the same counts and keys as inductor's pass."""
+"""The C counting pass of the top-k selections: the same counts and keys as inductor's pass;
+the kernel cache's ownership and permission checks."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -142,10 +145,14 @@ def test_support_gather_equals_the_torch_path(
 
 
 @pytest.mark.parametrize("poison", [-1e-3, float("inf"), float("nan")])
-def test_support_gather_names_the_bad_fisher(poison: float) -> None:
+@pytest.mark.parametrize("at", [100_001, 99_999])
+def test_support_gather_names_the_bad_fisher(poison: float, at: int) -> None:
     base, fishers = _problem(100_003, 3, torch.float32)
-    fishers[1][99_999] = poison  # in the scalar tail
-    fishers[2][12_345] = poison  # in the vector loop
+    # one slice of 100_003 entries: with AVX-512 the vector loop reads 16 at a time up to
+    # entry 100_000 and the scalar tail the last three; without it the scalar loop reads all
+    assert native.SLICE > 100_003 and 100_003 // 16 * 16 == 100_000
+    fishers[1][at] = poison  # 100_001: the scalar tail; 99_999: the vector loop's last block
+    fishers[2][12_345] = poison  # the vector loop
     gathered = native.gather_support(base, fishers)
     assert gathered is not None and gathered[3] == [1, 2]
 
@@ -159,3 +166,112 @@ def test_projection_refuses_a_bad_fisher_in_either_pass(
     fishers[2][40_000] = float("nan")
     with pytest.raises(ValueError, match=r"retain Fisher #2 must be finite and non-negative"):
         project_retention(base, fishers, 1e-3)
+
+
+# ---- the kernel cache: only a private library is loaded -----------------------------------
+
+
+@pytest.fixture(scope="module")
+def built_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A kernel cache built once, under a umask that would leave the library group-writable."""
+    root = tmp_path_factory.mktemp("kernel-cache")
+    compiler = native._compiler()
+    assert compiler is not None
+    old_env, old_umask = os.environ.get("FEDUNLEARN_CACHE_DIR"), os.umask(0o002)
+    os.environ["FEDUNLEARN_CACHE_DIR"] = str(root)
+    try:
+        native._build(compiler)
+    finally:
+        os.umask(old_umask)
+        if old_env is None:
+            del os.environ["FEDUNLEARN_CACHE_DIR"]
+        else:
+            os.environ["FEDUNLEARN_CACHE_DIR"] = old_env
+    return root
+
+
+@pytest.fixture
+def cache(built_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private copy of the built cache for one test; ``$FEDUNLEARN_CACHE_DIR`` points at it."""
+    root = tmp_path / "cache"
+    shutil.copytree(built_cache, root)
+    monkeypatch.setenv("FEDUNLEARN_CACHE_DIR", str(root))
+    return root
+
+
+def _library(root: Path) -> Path:
+    (library,) = (root / "kernels").glob("merge-loops-*.so")
+    return library
+
+
+def test_the_cache_is_created_private(built_cache: Path) -> None:
+    folder, library = built_cache / "kernels", _library(built_cache)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert stat.S_IMODE(library.stat().st_mode) == 0o700  # not 0775 under umask 002
+    assert folder.stat().st_uid == library.stat().st_uid == os.getuid()
+
+
+def test_a_private_library_is_reused(cache: Path) -> None:
+    library = _library(cache)
+    mtime = library.stat().st_mtime_ns
+    compiler = native._compiler()
+    assert compiler is not None
+    assert native._build(compiler) == library and library.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize(
+    ("target", "mode", "problem"),
+    [
+        ("library", 0o770, "is writable by its group (mode 0770)"),
+        ("library", 0o702, "is writable by others (mode 0702)"),
+        ("folder", 0o777, "is writable by its group and others (mode 0777)"),
+        ("folder", 0o730, "is writable by its group (mode 0730)"),
+    ],
+)
+def test_a_cache_others_can_write_is_refused(
+    cache: Path, target: str, mode: int, problem: str
+) -> None:
+    path = _library(cache) if target == "library" else cache / "kernels"
+    path.chmod(mode)
+    compiler = native._compiler()
+    assert compiler is not None
+    with pytest.raises(native.KernelCacheError) as refused:
+        native._build(compiler)
+    message = str(refused.value)
+    assert f"{target} {path}" in message and problem in message
+
+
+def test_a_cache_of_another_user_is_refused(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real files keep their owner; the process claims to be someone else."""
+    owner = os.getuid()
+    monkeypatch.setattr(native.os, "getuid", lambda: owner + 1)
+    compiler = native._compiler()
+    assert compiler is not None
+    folder, library = cache / "kernels", _library(cache)
+    with pytest.raises(native.KernelCacheError) as refused:
+        native._build(compiler)
+    assert f"folder {folder}: it belongs to user id {owner}, not to this user" in str(refused.value)
+    with pytest.raises(native.KernelCacheError, match=f"belongs to user id {owner}, not"):
+        native.check_private(library, "library")
+
+
+def test_a_linked_library_is_refused(cache: Path, tmp_path: Path) -> None:
+    library = _library(cache)
+    elsewhere = tmp_path / "elsewhere.so"
+    shutil.copy2(library, elsewhere)
+    library.unlink()
+    library.symlink_to(elsewhere)
+    compiler = native._compiler()
+    assert compiler is not None
+    with pytest.raises(native.KernelCacheError, match="is not a regular file"):
+        native._build(compiler)
+
+
+def test_library_refuses_rather_than_loads(cache: Path) -> None:
+    _library(cache).chmod(0o777)
+    native.library.cache_clear()  # the process's own library is loaded again after the test
+    try:
+        with pytest.raises(native.KernelCacheError, match="writable by its group and others"):
+            native.library()
+    finally:
+        native.library.cache_clear()
