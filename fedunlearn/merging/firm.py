@@ -15,7 +15,7 @@ Per weight tensor t (processed one at a time, never concatenated):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -77,6 +77,7 @@ _PROJECTION_KEYS: tuple[str, ...] = (
     "max_primal_violation",
     "max_complementary_slackness",
     "duality_gap",
+    "backend",
 )
 
 
@@ -448,6 +449,13 @@ def _merge_tensor(
     return outs[0], list(outs[1:]), sums
 
 
+def _backend(backends: Iterable[str | None]) -> str | None:
+    """The projection's backend over the tensors: ``compiled``, ``eager``, ``mixed`` (some
+    tensors each: ``auto`` compiles only large tensors) or None (no projection ran)."""
+    ran = {b for b in backends if b is not None}
+    return None if not ran else ran.pop() if len(ran) == 1 else "mixed"
+
+
 def _unprojected_report(sums: _Sums) -> dict:
     """The projection fields of a tensor left as it is (``epsilon = inf`` or no retain client)."""
     m = len(sums.damage_before)
@@ -464,6 +472,7 @@ def _unprojected_report(sums: _Sums) -> dict:
         "max_primal_violation": 0.0,
         "max_complementary_slackness": 0.0,
         "duality_gap": 0.0,
+        "backend": None,  # no projection ran
     }
 
 
@@ -509,9 +518,11 @@ def firm_merge(
         retain client, ``projection`` = the solver summary ``iterations``, ``sweeps``,
         ``converged``, ``feasibility_pass``, ``max_violation``, ``active`` and the KKT
         certificate ``max_primal_violation``, ``max_complementary_slackness``,
-        ``duality_gap`` of :func:`project_retention`), and totals ``norm_base`` and
-        ``norm_final``.  All reported damages and norms of the final update are computed after
-        the dtype cast (the KKT certificate before it).
+        ``duality_gap`` and the ``backend`` of :func:`project_retention`), totals
+        ``norm_base`` and ``norm_final``, and ``projection_backend``: ``"compiled"``,
+        ``"eager"``, ``"mixed"`` (some tensors each) or None when nothing was projected.  All
+        reported damages and norms of the final update are computed after the dtype cast (the
+        KKT certificate before it).
     """
     gamma_f = float(gamma if gamma_forget is None else gamma_forget)
     gamma_r = float(gamma if gamma_retain is None else gamma_retain)
@@ -598,6 +609,7 @@ def firm_merge(
         "domains": {g: [u.node_id for u in members] for g, members in domains.items()},
         "retain_clients": [u.node_id for u in retain],
         "tensors": tensors_report,
+        "projection_backend": _backend(t["projection"]["backend"] for t in tensors_report.values()),
         "norm_base": math.sqrt(total_base_sq),
         "norm_final": math.sqrt(total_final_sq),
     }

@@ -162,7 +162,9 @@ def project_retention(
           multipliers after its sweeps);
         * the KKT certificate of the float64 point before the cast: ``max_primal_violation``
           (max_k (b_k − epsilon)₊), ``max_complementary_slackness`` (max_k |λ_k (b_k −
-          epsilon)|) and ``duality_gap`` (½‖Δ* − Δ_base‖² − g(λ)).
+          epsilon)|) and ``duality_gap`` (½‖Δ* − Δ_base‖² − g(λ));
+        * ``backend``: ``"compiled"`` or ``"eager"``, how the solver's passes ran (their float64
+          sums are added in different orders, so the two agree to rounding, not bit for bit).
     """
     check_solver(solver)
     epsilon = float(epsilon)
@@ -285,5 +287,7 @@ def _project_checked(
         "max_primal_violation": float(primal_violation),
         "max_complementary_slackness": float(slackness),
         "duality_gap": float(gap),
+        # how the passes ran: compiled and eager sums differ by rounding (so may λ and Δ*)
+        "backend": "compiled" if prob.compiled else "eager",
     }
     return result, report

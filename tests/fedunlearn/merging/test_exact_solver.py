@@ -31,6 +31,7 @@ CERT_KEYS = {
     "feasibility_pass",
     "max_violation",
     "active",
+    "backend",
 }
 
 
@@ -292,6 +293,7 @@ def test_compiled_passes_match_eager(monkeypatch: pytest.MonkeyPatch, m: int, so
             base, fishers, eps, solver=solver, out_dtype=torch.bfloat16
         )
     (out_e, rep_e), (out_c, rep_c) = runs["eager"], runs["compiled"]
+    assert (rep_e["backend"], rep_c["backend"]) == ("eager", "compiled")
     assert rep_c["multipliers"] == pytest.approx(rep_e["multipliers"], rel=1e-9)
     assert all(x > 0 for x in rep_c["multipliers"])
     for rep in (rep_e, rep_c):

@@ -247,7 +247,9 @@ def test_infinite_epsilon_skips_projection() -> None:
         "max_primal_violation": 0.0,
         "max_complementary_slackness": 0.0,
         "duality_gap": 0.0,
+        "backend": None,
     }
+    assert res.report["projection_backend"] is None
     assert rep["norm_base"] == rep["norm_final"]
     assert set(rep["damage_before"]) == {"2", "3"}
 

@@ -58,6 +58,11 @@ def test_compiled_firm_equals_eager(
     for field in ("norm_base", "norm_final", "norm_forget_term", "norm_retain_term"):
         assert a[field] == pytest.approx(b[field], rel=1e-12)
     assert a["damage_after"]["c3"] == pytest.approx(b["damage_after"]["c3"], rel=1e-12)
+    # results.json records how the projection ran (compiled and eager differ by rounding)
+    projected = epsilon != float("inf")
+    assert compiled.report["projection_backend"] == ("compiled" if projected else None)
+    assert eager.report["projection_backend"] == ("eager" if projected else None)
+    assert a["projection"]["backend"] == ("compiled" if projected else None)
 
 
 @pytest.mark.skipif(not kernels.compiler_available(), reason="no C++ compiler for inductor")
