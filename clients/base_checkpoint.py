@@ -18,13 +18,12 @@ differ from θ_base (round 1: none) and the node loads θ_base straight from the
 the model it trains and puts the received weights in place (:func:`received_model`), checking
 the result against the hash the server sent. No second copy of the weights is kept.
 
-The hash (:func:`state_sha256`) is over the weights as they travel in full (float32, every
-key of the model's ``state_dict``): a sha256 per tensor over its dtype, shape and bytes, then
-one sha256 over ``key<TAB>digest`` lines in sorted key order, so either side rehashes only
-the tensors that changed. The node hashes its base as float32, so its hash equals the
-server's when the server's model holds the file's values (a float32 run, or a bfloat16 file
-run in bfloat16); a bfloat16 server model of a float32 file does not match, and the node gets
-the full model.
+The hash (:func:`state_sha256`) is over every key of the model's ``state_dict``: a sha256
+per tensor over its values widened to float32 (exact for 16-bit weights), its shape and
+bytes, then one sha256 over ``key<TAB>digest`` lines in sorted key order, so either side
+rehashes only the tensors that changed. The node's hash equals the server's when the
+server's model holds the file's values (a float32 run, or a bfloat16 file run in bfloat16); a
+bfloat16 server model of a float32 file does not match, and the node gets the full model.
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from flwr.app import ArrayRecord, ConfigRecord, Context
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from fedunlearn.models.llama import resolve_dtype
+from wire.arrays import array_tensor
 from wire.delivery import (
     BASE_KEY,
     BASE_OFFER_KEY,
@@ -48,7 +48,7 @@ from wire.delivery import (
     RUN_BASE_KEY,
     model_sha_key,
     state_sha256,
-    tensor_digest,
+    weight_digest,
 )
 from wire.messages import finish_model, rebuild_model
 
@@ -59,7 +59,7 @@ SIMULATED_NODE_KEYS = frozenset({"partition-id", "num-partitions"})
 
 @dataclass(frozen=True)
 class BaseCheckpoint:
-    """θ_base's folder and its tensors' digests as the server would send them (float32)."""
+    """θ_base's folder and its tensors' digests (``weight_digest``: as float32)."""
 
     path: Path
     signature: str  # the folder's files (names, sizes, modification times)
@@ -97,7 +97,7 @@ def folder_signature(path: Path) -> str:
 
 
 def load_base(path: Path) -> BaseCheckpoint:
-    """θ_base's digests (float32, as ``wire_state`` sends it), hashed once per process while
+    """θ_base's digests (``weight_digest``), hashed once per process while
     the folder is unchanged; the weights themselves are not kept."""
     signature = folder_signature(path)
     cached = _hashed.get(str(path))
@@ -105,10 +105,7 @@ def load_base(path: Path) -> BaseCheckpoint:
         return cached
     # in the file's dtype: a bfloat16 checkpoint is not widened whole, only tensor by tensor
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype="auto")
-    digests = {
-        key: tensor_digest(value.detach().to("cpu", torch.float32).numpy())
-        for key, value in model.state_dict().items()
-    }
+    digests = {key: weight_digest(value) for key, value in model.state_dict().items()}
     del model
     _hashed[str(path)] = BaseCheckpoint(path, signature, digests)
     return _hashed[str(path)]
@@ -160,15 +157,15 @@ def received_model(
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     state, digests = model.state_dict(), dict(base.digests)
     for key in arrays:
-        values = arrays[key].numpy()
+        values = array_tensor(arrays[key])
         if key not in state or tuple(values.shape) != tuple(state[key].shape):
             raise ValueError(
                 f"node {node}: received weight {key!r} {tuple(values.shape)} is not a weight "
                 f"of base checkpoint {path}"
             )
-        digests[key] = tensor_digest(values)
+        digests[key] = weight_digest(values)
         with torch.no_grad():
-            state[key].copy_(torch.from_numpy(values))
+            state[key].copy_(values)
     server_model = str(config[model_sha_key(copy)])
     if state_sha256(digests) != server_model:
         raise ValueError(

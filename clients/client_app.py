@@ -44,6 +44,7 @@ from wire.messages import (
     config_list,
     config_scalar,
     encode_client_reply,
+    packed_record,
     rebuild_tokenizer,
     typed_record,
     wire_metrics,
@@ -182,15 +183,17 @@ def train(msg: Message, context: Context) -> Message:
         domain=str(config["domain"]),
         objective=objective,
         num_examples=len(examples),
-        task_vector=outputs[0][0],
-        fisher=outputs[0][1],
+        task_vector=packed_record(outputs[0][0]),
+        fisher=packed_record(outputs[0][1]),
         metrics=metrics,
     )
     if copies:
+        content["task_vector-0"] = content["task_vector"]
+        content["fisher-0"] = content["fisher"]
         del content["task_vector"], content["fisher"]
-        for k, (task_vector, fisher, _) in enumerate(outputs):
-            content[f"task_vector-{k}"] = ArrayRecord(task_vector)
-            content[f"fisher-{k}"] = ArrayRecord(fisher)
+        for k, (task_vector, fisher, _) in enumerate(outputs[1:], start=1):
+            content[f"task_vector-{k}"] = packed_record(task_vector)
+            content[f"fisher-{k}"] = packed_record(fisher)
     return Message(content=content, reply_to=msg)
 
 
@@ -217,6 +220,8 @@ def local_update(
         num_batches=int(config_scalar(config, "fisher-batches")),
     )
     fisher_seconds = time.perf_counter() - t_fisher
+    dense_bytes = 2 * 4 * sum(v.numel() for v in fisher.values())
+    fisher_parts = encoded_fisher(fisher, config)  # the dense Fisher is not kept in training
     if bool(config.get("load-in-4bit", False)):
         # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
         model = quantize_4bit(model)
@@ -245,7 +250,7 @@ def local_update(
         )
     else:
         raise ValueError(f"finetune must be 'lora' or 'full', got {finetune!r}")
-    tv_parts, fisher_parts, sizes = encode_upload(task_vector, fisher, config)
+    tv_parts, sizes = encode_upload(task_vector, fisher_parts, dense_bytes, config)
     metrics = {
         **wire_metrics(stats),
         **sizes,
@@ -264,26 +269,36 @@ def task_vector_norm(task_vector: Mapping[str, torch.Tensor | LowRankDelta]) -> 
     return torch.sqrt(cast(torch.Tensor, total)).item()
 
 
+def encoded_fisher(
+    fisher: dict[str, torch.Tensor], config: ConfigRecord
+) -> dict[str, torch.Tensor]:
+    """The Fisher's parts in the run's upload form (``upload.fisher``,
+    ``upload.fisher-fraction``), each dense tensor taken out of ``fisher`` as soon as its parts
+    exist: the dense Fisher is as large as the adapted weights, and it is let go of before
+    local training instead of being held through it."""
+    form = str(config.get("fisher-upload", "dense"))
+    fraction = float(config_scalar(config, "fisher-upload-fraction", 1.0))
+    parts: dict[str, torch.Tensor] = {}
+    for key in list(fisher):
+        parts.update(encode_fisher({key: fisher.pop(key)}, form, fraction))
+    return parts
+
+
 def encode_upload(
     task_vector: Mapping[str, torch.Tensor | LowRankDelta],
-    fisher: dict[str, torch.Tensor],
+    fisher_parts: dict[str, torch.Tensor],
+    dense_bytes: int,
     config: ConfigRecord,
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
-    """The task vector and Fisher as the run's upload forms (``upload.task-vector``,
-    ``upload.fisher``, ``upload.fisher-fraction``) and their sizes: ``bytes-task-vector``,
-    ``bytes-fisher``, ``bytes-sent`` (both) and ``bytes-dense`` (both as dense float32)."""
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The task vector in the run's upload form (``upload.task-vector``) and the sizes of the
+    upload: ``bytes-task-vector``, ``bytes-fisher`` (of ``fisher_parts``), ``bytes-sent``
+    (both) and ``bytes-dense`` (``dense_bytes``: both as dense float32)."""
     tv_parts = encode_task_vector(task_vector, str(config.get("task-vector-upload", "dense")))
-    fisher_parts = encode_fisher(
-        fisher,
-        str(config.get("fisher-upload", "dense")),
-        float(config_scalar(config, "fisher-upload-fraction", 1.0)),
-    )
-    dense = 2 * 4 * sum(v.numel() for v in fisher.values())
     tv_bytes, fisher_bytes = upload_bytes(tv_parts), upload_bytes(fisher_parts)
     sizes = {
         "bytes-task-vector": float(tv_bytes),
         "bytes-fisher": float(fisher_bytes),
         "bytes-sent": float(tv_bytes + fisher_bytes),
-        "bytes-dense": float(dense),
+        "bytes-dense": float(dense_bytes),
     }
-    return tv_parts, fisher_parts, sizes
+    return tv_parts, sizes

@@ -82,3 +82,14 @@ def merge_kwargs(fn: MergeFn, parameters: Mapping[str, Any]) -> dict[str, Any]:
         if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     }
     return {k: v for k, v in parameters.items() if k in accepted}
+
+
+def streams_delta(fn: MergeFn) -> bool:
+    """Whether ``fn`` names a ``delta_out`` keyword: it then writes each weight's merged
+    update into the mapping given there as soon as the weight is done (the server applies it
+    and lets go of it: ``strategies.new_weights``) instead of returning Δ whole."""
+    parameter = inspect.signature(fn).parameters.get("delta_out")
+    return parameter is not None and parameter.kind in (
+        inspect.Parameter.KEYWORD_ONLY,
+        inspect.Parameter.POSITIONAL_OR_KEYWORD,
+    )

@@ -10,11 +10,11 @@ import math
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from logging import INFO
+from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 from flwr.app import (
-    Array,
     ArrayRecord,
     ConfigRecord,
     Message,
@@ -26,22 +26,20 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 from flwr.serverapp.strategy import Strategy
 
-from fedunlearn.merging import ClientUpdate, MergeResult, apply_delta
+from fedunlearn.merging import ClientUpdate, MergeResult
 from fedunlearn.merging.robust import apply_robust
 from fedunlearn.merging.sanity import (
     DEFAULT_CLIENT_NORM_RATIO,
     DEFAULT_MAX_UPDATE_RATIO,
     check_ratio,
-    merged_update_problem,
-    nonfinite_problem,
     norm_outliers,
 )
 from fedunlearn.scenarios import ClientAssignment
-from fedunlearn.upload_codec import DecodedTensors
 from strategies.checkpoint import RunCheckpoint
 from strategies.memory import phase_peak_bytes, reset_phase_peak
-from strategies.merge_plugins import merge_kwargs, resolve_merge
+from strategies.merge_plugins import merge_kwargs, resolve_merge, streams_delta
 from strategies.model_delivery import ModelDelivery
+from strategies.new_weights import NewWeights
 from strategies.node_roles import assign_and_declare
 from strategies.reply_fields import (
     array_bytes,
@@ -183,6 +181,7 @@ class MergeStrategy(Strategy):
         self.merge = merge
         self.merge_fn = resolve_merge(merge)
         self.merge_kwargs = merge_kwargs(self.merge_fn, merge_parameters or {})
+        self.streams_delta = streams_delta(self.merge_fn)
         self.assignments = list(assignments)
         self.client_config = dict(client_config or {})
         self.role_config = {k: dict(v) for k, v in (role_config or {}).items()}
@@ -348,8 +347,17 @@ class MergeStrategy(Strategy):
         if problem is not None:
             self._fail(server_round, problem)
         self.last_updates = updates  # as uploaded (before the robust options)
-        result = self._merge(self._robust(updates))
-        new_arrays = self._new_weights(server_round, result)
+        new_weights = NewWeights(
+            self.global_arrays,
+            server_lr=self.server_lr,
+            model_dtype=self.model_dtype,
+            folder=self.scratch_folder(),
+        )
+        try:
+            result = self._merge(self._robust(updates), new_weights)
+            new_arrays = self._new_weights(server_round, result, new_weights)
+        finally:
+            new_weights.close()
         self.last_merge = result
         self.round_peak_rss_bytes = phase_peak_bytes()
         if self.checkpoint is not None:
@@ -477,9 +485,12 @@ class MergeStrategy(Strategy):
             self._reports[int(u.node_id)].update(robust.get(str(u.node_id), {}))
         return updates
 
-    def _merge(self, updates: list[ClientUpdate]) -> MergeResult:
+    def _merge(self, updates: list[ClientUpdate], new_weights: NewWeights) -> MergeResult:
+        """The merge's result; a merge that accepts ``delta_out`` hands its Δ to
+        ``new_weights`` weight by weight (``strategies.new_weights``)."""
         started = time.perf_counter()
-        result = self.merge_fn(updates, **self.merge_kwargs)
+        streamed = {"delta_out": new_weights} if self.streams_delta else {}
+        result = self.merge_fn(updates, **self.merge_kwargs, **streamed)
         if not isinstance(result, MergeResult):
             raise TypeError(
                 f"merge {self.merge!r} returned {type(result).__name__}, not a MergeResult"
@@ -487,45 +498,31 @@ class MergeStrategy(Strategy):
         self.merge_seconds = time.perf_counter() - started
         return result
 
-    def _new_weights(self, server_round: int, result: MergeResult) -> ArrayRecord:
+    def _new_weights(
+        self, server_round: int, result: MergeResult, new_weights: NewWeights
+    ) -> ArrayRecord:
         """θ + η_srv·Δ, after checking that Δ is finite and not absurd (``server.max-update-ratio``)
         and that the new weights are finite; otherwise the round fails and θ is kept. The new
         weights replace the changed ones in the global arrays themselves, one weight at a time
         (no second copy of the model; the old values are not needed once the checks passed)."""
         if self.global_arrays is None:
             raise RuntimeError("_new_weights called before configure_train")
-        arrays = self.global_arrays
-        delta = result.delta
-        if self.server_lr != 1.0:
-            delta = {k: self.server_lr * v for k, v in delta.items()}
-        missing = sorted(set(delta) - set(arrays))
-        if missing:
-            raise KeyError(
-                f"merge produced a delta for {missing[0]!r}, which the model does not have"
-            )
-        weights = decoded_arrays(arrays)  # decoded when read, one weight at a time
-
-        def updated(key: str) -> torch.Tensor:
-            return apply_delta({key: weights[key]}, {key: delta[key]})[key]
-
-        problem, self.update_ratio = merged_update_problem(delta, weights, self.max_update_ratio)
-        if problem is None:
-            # the new weights as a mapping computed when read (DecodedTensors of dense parts)
-            new_weights = DecodedTensors(list(delta), updated)
-            problem = nonfinite_problem(new_weights, "the new weights'")
+        if result.delta is not new_weights:  # a merge that returns its Δ whole
+            for key, value in result.delta.items():
+                new_weights[key] = value
+        problem, self.update_ratio = new_weights.problem(self.max_update_ratio)
         if problem is not None:
             self._fail(server_round, f"the merged update is not safe to apply: {problem}")
-        lost, total = 0.0, 0.0  # ‖what the model's dtype rounds away‖², ‖Δ‖²
-        for key in delta:
-            new = updated(key)
-            if self.model_dtype is not None:
-                kept = new.to(self.model_dtype).double() - weights[key].double()
-                lost += float(((kept - delta[key].double()) ** 2).sum())
-                total += float((delta[key].double() ** 2).sum())
-            arrays[key] = Array(new.contiguous().numpy())
-        if self.model_dtype is not None:
-            self.applied_error = math.sqrt(lost / total) if total > 0 else 0.0
-        return arrays
+        new_weights.apply()
+        self.applied_error = new_weights.applied_error()
+        return self.global_arrays
+
+    def scratch_folder(self) -> Path | None:
+        """Where a round's new weights wait for their checks: the spool's or the checkpoint's
+        folder (the run's output folder), else the system's temporary folder."""
+        if self.spool is not None:
+            return self.spool.folder
+        return self.checkpoint.folder if self.checkpoint is not None else None
 
     def release_weights(self) -> None:
         """Let go of the global weights once the run has taken the final ones (the strategy

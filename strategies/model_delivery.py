@@ -11,10 +11,11 @@ for bit from θ_base — none in round 1, the merged targeted weights afterwards
 θ_round). The server keeps θ_base only as its tensors' digests: from round 2 on it hashes
 θ_round once per round and sends the tensors whose digest changed.
 
-What is sent for a changed weight is θ_round's float32 value itself, not θ_round − θ_base: the
-same bytes, and exact (θ_base + (θ_round − θ_base) in float32 is not θ_round bit for bit).
-bfloat16 would not be exact (θ_round = θ_base + Δ in float32) and FIRM's merged Δ is a
-Fisher-weighted, masked sum of client updates, dense and not low rank, so neither is used.
+What is sent for a changed weight is θ_round's value itself, in the model's dtype (the global
+weights are kept in it: :mod:`wire.arrays`), not θ_round − θ_base: the same bytes, and exact
+(θ_base + (θ_round − θ_base) is not θ_round bit for bit in floating point). FIRM's merged Δ
+is a Fisher-weighted, masked sum of client updates, dense and not low rank, so a factored
+form would not be smaller.
 
 Every other node gets the full model, and the run log says why, once per node and reason:
 ``model.delivery='full'``, no base declared, the base could not be read, another hash, or a
@@ -56,7 +57,7 @@ def content_bytes(content: RecordDict) -> tuple[int, int]:
 
 
 def changed_keys(digests: Mapping[str, str], base_digests: Mapping[str, str]) -> list[str]:
-    """The weights whose :func:`~wire.delivery.tensor_digest` differs from θ_base's (same key
+    """The weights whose :func:`~wire.delivery.weight_digest` differs from θ_base's (same key
     set): what a node holding θ_base must be sent."""
     if set(digests) != set(base_digests):
         raise ValueError("the global weights' keys are not those of the base checkpoint")

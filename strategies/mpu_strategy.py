@@ -55,6 +55,7 @@ from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
 from strategies.upload_spool import UploadSpool
+from wire.arrays import array_tensor, weight_array
 from wire.delivery import (
     BASE_OFFER_KEY,
     BASE_SHA_KEY,
@@ -62,7 +63,7 @@ from wire.delivery import (
     DELTA,
     model_sha_key,
     state_sha256,
-    tensor_digest,
+    weight_digest,
 )
 
 MPU_MODES = ("mpu", "clean", "noised")
@@ -313,13 +314,12 @@ class MpuStrategy(MergeStrategy):
                 if tensor is weight:
                     copy.arrays[name] = arrays[name]
                     if hashed:
-                        theta_digest = theta_digest or tensor_digest(weight.numpy())
+                        theta_digest = theta_digest or weight_digest(weight)
                         copy.digests[name] = theta_digest
                     continue
-                values = tensor.detach().contiguous().numpy()
-                copy.arrays[name] = Array.from_numpy_ndarray(values)
+                copy.arrays[name] = weight_array(tensor)
                 if hashed:
-                    copy.digests[name] = tensor_digest(values)
+                    copy.digests[name] = weight_digest(tensor)
             del tensors
         for copy in copies:  # θ's order, as the global weights travel
             copy.arrays = {name: copy.arrays[name] for name in arrays}
@@ -470,7 +470,7 @@ class RecordTensors(Mapping[str, torch.Tensor]):
         self._arrays = arrays
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        return torch.from_numpy(self._arrays[key].numpy())
+        return array_tensor(self._arrays[key]).float()  # MPU works in float32
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._arrays)
@@ -485,7 +485,7 @@ class RecordTensors(Mapping[str, torch.Tensor]):
 @dataclass
 class PublishedCopy:
     """One published copy as the Flower arrays it travels in (θ's order) and, where hashed,
-    every tensor's :func:`~wire.delivery.tensor_digest`."""
+    every tensor's :func:`~wire.delivery.weight_digest`."""
 
     arrays: dict[str, Array] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict)

@@ -37,6 +37,7 @@ from strategies.secret_files import given_secret
 from strategies.settings import RunSettings
 from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
+from wire.arrays import array_tensor, weight_array, weights_record
 from wire.messages import describe_model
 
 
@@ -71,7 +72,7 @@ def run_unlearning(
     else:
         # while the rounds run, the weights live in the strategy's arrays only
         if resumed_state is not None:
-            initial, shapes = ArrayRecord(resumed_state), release_parameters(model)
+            initial, shapes = weights_record(resumed_state), release_parameters(model)
             resumed_state = None
         else:
             initial, shapes = move_into_arrays(model)
@@ -140,10 +141,10 @@ def federate(
 
 
 def move_into_arrays(model: torch.nn.Module) -> tuple[ArrayRecord, dict[str, torch.Size]]:
-    """The model's weights as the float32 arrays the rounds start from (``wire_state``'s),
-    moved one tensor at a time: a parameter's storage is freed once every key of it is in the
-    arrays, so the weights are never held twice. Returns the arrays and the emptied
-    parameters' shapes (for :func:`load_into`)."""
+    """The model's weights as the arrays the rounds start from, in the model's own dtype
+    (:mod:`wire.arrays`), moved one tensor at a time: a parameter's storage is freed once
+    every key of it is in the arrays, so the weights are never held twice. Returns the
+    arrays and the emptied parameters' shapes (for :func:`load_into`)."""
     shapes = {name: param.shape for name, param in model.named_parameters()}
     owners = {param.data_ptr(): param for param in model.parameters()}
     state = model.state_dict()
@@ -151,7 +152,7 @@ def move_into_arrays(model: torch.nn.Module) -> tuple[ArrayRecord, dict[str, tor
     arrays = ArrayRecord()
     for key in list(state):
         tensor = state.pop(key).detach()
-        arrays[key] = Array(tensor.to("cpu", torch.float32).contiguous().numpy())
+        arrays[key] = weight_array(tensor)
         pointer = tensor.data_ptr()
         del tensor
         keys_left[pointer] -= 1
@@ -177,7 +178,7 @@ def load_into(
     with torch.no_grad():
         for key in list(weights):
             value = weights.pop(key)
-            state[key].copy_(torch.from_numpy(value.numpy()) if isinstance(value, Array) else value)
+            state[key].copy_(array_tensor(value) if isinstance(value, Array) else value)
 
 
 def release_parameters(model: torch.nn.Module) -> dict[str, torch.Size]:

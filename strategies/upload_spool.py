@@ -53,13 +53,32 @@ def _parts(
     return out
 
 
+class SpooledFile:
+    """A spooled file read one tensor at a time. Each read maps the file afresh and closes the
+    map: the tensor it returns keeps only its own pages mapped, and they are released with it.
+    (One handle kept open would keep every page read through it resident in the process, so
+    the server's memory would grow by every upload it merged.)"""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        with safe_open(str(path), framework="pt") as handle:
+            self._keys = list(handle.keys())
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        with safe_open(str(self.path), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
 class UploadSpool:
     """Per-round folder of uploads on disk (see the module docstring)."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = Path(folder)
         self._round_dir: Path | None = None
-        self._handles: list = []
+        self._handles: list[SpooledFile] = []
 
     def begin_round(self, server_round: int) -> None:
         """Forget the previous round's files and start ``round-<server_round>`` (nothing to do
@@ -81,7 +100,7 @@ class UploadSpool:
         handle = self._write(update.node_id, tensors)
         del tensors
         records: dict[str, list[str]] = {prefix: [] for prefix in _PREFIXES}
-        for name in handle.keys():  # noqa: SIM118 — a safetensors handle, not a dict
+        for name in handle.keys():
             prefix, part = name.split("/", 1)
             records[prefix].append(part)
 
@@ -103,7 +122,7 @@ class UploadSpool:
         """Write a client's weights (a FedAvg reply) to its file; the same weights, read from
         disk one tensor at a time."""
         handle = self._write(node_id, {k: v.contiguous() for k, v in state.items()})
-        return DecodedTensors(list(handle.keys()), handle.get_tensor)
+        return DecodedTensors(handle.keys(), handle.get_tensor)
 
     def store_record(
         self, node_id: int, record: str, parts: Mapping[str, torch.Tensor]
@@ -114,15 +133,15 @@ class UploadSpool:
         handle = self._write(f"{node_id}-{record}", {k: v.contiguous() for k, v in parts.items()})
         return handle.get_tensor
 
-    def _write(self, node_id: int | str, tensors: dict[str, torch.Tensor]):
-        """Save ``tensors`` as ``node-<node_id>.safetensors`` (atomically) and open it."""
+    def _write(self, node_id: int | str, tensors: dict[str, torch.Tensor]) -> SpooledFile:
+        """Save ``tensors`` as ``node-<node_id>.safetensors`` (atomically); its reader."""
         if self._round_dir is None:
             raise RuntimeError("UploadSpool used before begin_round")
         path = self._round_dir / f"node-{node_id}.safetensors"
         partial = path.with_suffix(".partial")
         save_file(tensors, str(partial))
         os.replace(partial, path)
-        handle = safe_open(str(path), framework="pt")
+        handle = SpooledFile(path)
         self._handles.append(handle)
         return handle
 

@@ -13,7 +13,10 @@ import hashlib
 from collections.abc import Mapping
 
 import numpy as np
+import torch
 from flwr.app import ArrayRecord
+
+from wire.arrays import array_tensor
 
 BASE_KEY = "base-checkpoint"  # node config: the node's θ_base folder
 #: the same for every simulated node of a run (a node's own node config wins)
@@ -42,6 +45,12 @@ def tensor_digest(values: np.ndarray) -> str:
     return digest.hexdigest()
 
 
+def weight_digest(tensor: torch.Tensor) -> str:
+    """:func:`tensor_digest` of a model weight as float32 (exact for float16 and bfloat16), so
+    that a weight has one digest whatever dtype it travels or is stored in."""
+    return tensor_digest(tensor.detach().to("cpu", torch.float32).numpy())
+
+
 def state_sha256(digests: Mapping[str, str]) -> str:
     """sha256 of a whole state from its :func:`tensor_digest` per key (sorted key order)."""
     lines = "".join(f"{key}\t{digests[key]}\n" for key in sorted(digests))
@@ -49,6 +58,6 @@ def state_sha256(digests: Mapping[str, str]) -> str:
 
 
 def record_digests(record: ArrayRecord, keys: list[str] | None = None) -> dict[str, str]:
-    """:func:`tensor_digest` of ``keys`` (default: all) of an ArrayRecord, decoded one at a
-    time."""
-    return {key: tensor_digest(record[key].numpy()) for key in (keys or list(record))}
+    """:func:`weight_digest` of ``keys`` (default: all) of an ArrayRecord of weights, decoded
+    one at a time."""
+    return {key: weight_digest(array_tensor(record[key])) for key in (keys or list(record))}

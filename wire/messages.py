@@ -18,6 +18,7 @@ from typing import TypeVar
 
 import torch
 from flwr.app import (
+    Array,
     ArrayRecord,
     ConfigRecord,
     ConfigScalar,
@@ -38,6 +39,7 @@ from transformers import (
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.models.llama import resolve_dtype
 from fedunlearn.upload_codec import DecodedTensors
+from wire.arrays import array_tensor
 
 R = TypeVar("R", ArrayRecord, MetricRecord, ConfigRecord)
 
@@ -112,7 +114,7 @@ def rebuild_model(config: ConfigRecord, arrays: ArrayRecord) -> PreTrainedModel:
         )
     with torch.no_grad():
         for key in arrays:
-            state[key].copy_(torch.from_numpy(arrays[key].numpy()))
+            state[key].copy_(array_tensor(arrays[key]))
     return finish_model(model)
 
 
@@ -171,26 +173,43 @@ def encode_client_reply(
     domain: str,
     objective: str,
     num_examples: int,
-    task_vector: dict[str, torch.Tensor],
-    fisher: dict[str, torch.Tensor] | None,
+    task_vector: dict[str, torch.Tensor] | ArrayRecord,
+    fisher: dict[str, torch.Tensor] | ArrayRecord | None,
     metrics: dict[str, float],
 ) -> RecordDict:
-    """Pack a client's summary (SPEC §1) into a reply RecordDict."""
+    """Pack a client's summary (SPEC §1) into a reply RecordDict (the upload parts as dicts of
+    tensors, or already packed by :func:`packed_record`)."""
     content = RecordDict()
-    content["task_vector"] = ArrayRecord({k: v.contiguous() for k, v in task_vector.items()})
+    content["task_vector"] = _record(task_vector)
     if fisher is not None:
-        content["fisher"] = ArrayRecord({k: v.contiguous() for k, v in fisher.items()})
+        content["fisher"] = _record(fisher)
     content["metrics"] = MetricRecord({"num-examples": num_examples, **metrics})
     content["info"] = ConfigRecord({"role": role, "domain": domain, "objective": objective})
     return content
 
 
+def _record(parts: dict[str, torch.Tensor] | ArrayRecord) -> ArrayRecord:
+    if isinstance(parts, ArrayRecord):
+        return parts
+    return ArrayRecord({k: v.contiguous() for k, v in parts.items()})
+
+
+def packed_record(parts: dict[str, torch.Tensor]) -> ArrayRecord:
+    """``parts`` moved into an ArrayRecord one tensor at a time: each is taken out of
+    ``parts`` once serialised, so the tensors and their bytes are not all held twice."""
+    record = ArrayRecord()
+    for key in list(parts):
+        record[key] = Array(parts.pop(key).contiguous())
+    return record
+
+
 def decoded_arrays(
     record: ArrayRecord, shapes: Mapping[str, tuple[int, ...]] | None = None
 ) -> DecodedTensors:
-    """The dense tensors of an uploaded record, decoded from its parts one weight at a time
-    when a merge asks for them (:mod:`fedunlearn.upload_codec`)."""
-    return DecodedTensors(list(record), lambda name: torch.from_numpy(record[name].numpy()), shapes)
+    """The dense tensors of an uploaded record (or of a record of weights, any dtype
+    :mod:`wire.arrays` writes), decoded from its parts one weight at a time when a merge asks
+    for them (:mod:`fedunlearn.upload_codec`)."""
+    return DecodedTensors(list(record), lambda name: array_tensor(record[name]), shapes)
 
 
 def decode_client_reply(

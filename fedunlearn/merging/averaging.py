@@ -11,12 +11,12 @@ Both work tensor by tensor, accumulate in at least float32 and return the task-v
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 
 import torch
 
 from ._common import check_gamma, compute_dtype, forget_clients, l2, node_ids, out_dtype
-from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .base import ClientUpdate, MergeResult, delta_mapping, register_merge, validate_updates
 
 
 def _scaled_sum(
@@ -24,9 +24,10 @@ def _scaled_sum(
     members: Sequence[ClientUpdate],
     keys: Sequence[str],
     scale: float,
-) -> tuple[dict[str, torch.Tensor], dict[str, dict], float]:
-    """``scale · Σ_{i∈members} Δθ_i`` per tensor, cast to the dtype promoted over ``updates``."""
-    delta: dict[str, torch.Tensor] = {}
+    delta: MutableMapping[str, torch.Tensor],
+) -> tuple[dict[str, dict], float]:
+    """``scale · Σ_{i∈members} Δθ_i`` per tensor, cast to the dtype promoted over ``updates``,
+    written into ``delta``."""
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
     for key in keys:
@@ -40,11 +41,16 @@ def _scaled_sum(
         total_sq += norm**2
         tensors_report[key] = {"norm": norm}
         delta[key] = final
-    return delta, tensors_report, math.sqrt(total_sq)
+    return tensors_report, math.sqrt(total_sq)
 
 
 @register_merge("avg")
-def avg_merge(updates: Sequence[ClientUpdate], *, gamma: float = 1.0) -> MergeResult:
+def avg_merge(
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float = 1.0,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
+) -> MergeResult:
     """AVG merge (SPEC §2.1): ``Δ = gamma · mean`` of ALL task vectors, forget and retain.
 
     Args:
@@ -59,7 +65,8 @@ def avg_merge(updates: Sequence[ClientUpdate], *, gamma: float = 1.0) -> MergeRe
     """
     g = check_gamma(gamma)
     keys = validate_updates(updates)
-    delta, tensors_report, norm_final = _scaled_sum(updates, updates, keys, g / len(updates))
+    delta = delta_mapping(delta_out)
+    tensors_report, norm_final = _scaled_sum(updates, updates, keys, g / len(updates), delta)
     report = {
         "method": "avg",
         "params": {"gamma": g},
@@ -73,7 +80,12 @@ def avg_merge(updates: Sequence[ClientUpdate], *, gamma: float = 1.0) -> MergeRe
 
 
 @register_merge("sum")
-def sum_merge(updates: Sequence[ClientUpdate], *, gamma: float = 1.0) -> MergeResult:
+def sum_merge(
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float = 1.0,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
+) -> MergeResult:
     """SUM merge (SPEC §2.1): ``Δ = gamma · Σ`` of the FORGET task vectors (retain ignored).
 
     Args:
@@ -87,7 +99,8 @@ def sum_merge(updates: Sequence[ClientUpdate], *, gamma: float = 1.0) -> MergeRe
     g = check_gamma(gamma)
     keys = validate_updates(updates)
     forget = forget_clients(updates, "SUM")
-    delta, tensors_report, norm_final = _scaled_sum(updates, forget, keys, g)
+    delta = delta_mapping(delta_out)
+    tensors_report, norm_final = _scaled_sum(updates, forget, keys, g, delta)
     report = {
         "method": "sum",
         "params": {"gamma": g},

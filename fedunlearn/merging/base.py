@@ -9,7 +9,7 @@ needs an import line in ``fedunlearn/merging/__init__.py`` to become available t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -126,10 +126,27 @@ class ClientUpdate:
 
 @dataclass
 class MergeResult:
-    """Output of a merge: the dense update per weight (θ ← θ₀ + Δ) and a JSON-able report."""
+    """Output of a merge: the dense update per weight (θ ← θ₀ + Δ) and a JSON-able report.
 
-    delta: dict[str, torch.Tensor]
+    ``delta`` is the mapping the merge wrote Δ into: a dict, or the caller's ``delta_out``
+    (see :func:`delta_mapping`), which may keep nothing it was given.
+    """
+
+    delta: Mapping[str, torch.Tensor]
     report: dict
+
+
+def delta_mapping(
+    delta_out: MutableMapping[str, torch.Tensor] | None,
+) -> MutableMapping[str, torch.Tensor]:
+    """Where a merge writes Δ: its caller's ``delta_out``, else a new dict.
+
+    Every built-in merge takes ``delta_out`` and writes each weight's Δ into it as soon as
+    that weight is done (``delta_out[key] = Δ_key``) and never reads it back, so a caller
+    can apply each Δ and let go of it before the next weight is merged (the server does:
+    only one weight's Δ is alive at a time). Without it the merge returns Δ whole in a dict.
+    """
+    return {} if delta_out is None else delta_out
 
 
 def validate_updates(updates: Sequence[ClientUpdate]) -> list[str]:

@@ -15,7 +15,7 @@ Per weight tensor t (processed one at a time, never concatenated):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +23,7 @@ import torch
 
 from ..options import FRACTION, POSITIVE, Number, OneOf, option, option_group
 from ._chunks import below, map_spans
-from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .base import ClientUpdate, MergeResult, delta_mapping, register_merge, validate_updates
 from .kernels import (
     bracket_counts,
     fusable,
@@ -489,6 +489,7 @@ def firm_merge(
     max_iter: int = 500,
     solver: str = DEFAULT_SOLVER,
     tol: float | None = None,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """FIRM merge (SPEC §2.3) with the optional retention projection (SPEC §2.4).
 
@@ -534,7 +535,7 @@ def firm_merge(
     project = math.isfinite(epsilon) and bool(retain)
     retain_ids = [str(u.node_id) for u in retain]
 
-    delta: dict[str, torch.Tensor] = {}
+    delta = delta_mapping(delta_out)
     tensors_report: dict[str, dict] = {}
     total_base_sq = 0.0
     total_final_sq = 0.0

@@ -18,7 +18,7 @@ with itself).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -27,7 +27,7 @@ import torch
 from ..options import FRACTION, Number, option, option_group
 from ._chunks import map_spans
 from ._common import as_real, check_gamma, check_k, compute_dtype, node_ids
-from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .base import ClientUpdate, MergeResult, delta_mapping, register_merge, validate_updates
 from .firm import support_size
 from .kernels import run_kernel, sq64, use_compiled_for
 from .ties import ties_combine_kernel, trim_lowers
@@ -225,6 +225,7 @@ def _fulm(
     threshold: float,
     k: float,
     combine: str,
+    delta_out: MutableMapping[str, torch.Tensor] | None,
 ) -> MergeResult:
     g = check_gamma(gamma)
     thr = _check_threshold(threshold)
@@ -235,7 +236,7 @@ def _fulm(
     clusters = cluster_clients(sim, thr)
     scale = g if combine == "sum" else g / len(clusters)
 
-    delta: dict[str, torch.Tensor] = {}
+    delta = delta_mapping(delta_out)
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
     compiled = use_compiled_for(updates[0].task_vector, keys)
@@ -276,6 +277,7 @@ def fulm_merge(
     gamma: float = 1.0,
     threshold: float = DEFAULT_THRESHOLD,
     k: float = DEFAULT_K,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """FULM merge (SPEC §2.2): ``Δ = gamma · Σ_c`` TIES centroid of similarity cluster ``c``.
 
@@ -294,7 +296,7 @@ def fulm_merge(
         ``centroid_norms`` and ``sign_agreement`` per cluster, centroids unscaled) and
         ``norm_final`` (global L2 norm of ``Δ``).
     """
-    return _fulm(updates, gamma=gamma, threshold=threshold, k=k, combine="sum")
+    return _fulm(updates, gamma=gamma, threshold=threshold, k=k, combine="sum", delta_out=delta_out)
 
 
 @register_merge("fulm-mean")
@@ -304,9 +306,12 @@ def fulm_mean_merge(
     gamma: float = 1.0,
     threshold: float = DEFAULT_THRESHOLD,
     k: float = DEFAULT_K,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """FULM-MEAN merge (SPEC §2.2 variant): ``Δ = gamma · mean_c`` of the cluster centroids.
 
     Same arguments and report as :func:`fulm_merge` (``method`` = ``"fulm-mean"``).
     """
-    return _fulm(updates, gamma=gamma, threshold=threshold, k=k, combine="mean")
+    return _fulm(
+        updates, gamma=gamma, threshold=threshold, k=k, combine="mean", delta_out=delta_out
+    )

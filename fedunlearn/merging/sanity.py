@@ -11,10 +11,10 @@ rescale, so a round that passes merges bit for bit as without them):
   of its role's clients is excluded (``server.client-norm-ratio``). The median needs an honest
   majority: a role with fewer than :data:`MIN_CLIENTS_FOR_MEDIAN` valid clients, or whose
   median norm is 0, is not checked (the magnitude bound and the merged-update check still are).
-* :func:`merged_update_problem` / :func:`nonfinite_problem` — the merged update must be finite
-  and its norm at most ``max_ratio ×`` the norm of the weights it changes
-  (``server.max-update-ratio``; 0 turns the ratio off, never the finiteness check); the new weights
-  must be finite.
+* :func:`nonfinite_problem` / :func:`ratio_problem` — the merged update must be finite and its
+  norm at most ``max_ratio ×`` the norm of the weights it changes (``server.max-update-ratio``;
+  0 turns the ratio off, never the finiteness check); the new weights must be finite. The
+  server applies them weight by weight as a merge produces Δ (``strategies.new_weights``).
 """
 
 from __future__ import annotations
@@ -106,20 +106,12 @@ def norm_outliers(
     return problems, norms
 
 
-def merged_update_problem(
-    delta: Mapping[str, torch.Tensor], weights: Mapping[str, torch.Tensor], max_ratio: float
+def ratio_problem(
+    update_norm: float, weights_norm: float, max_ratio: float
 ) -> tuple[str | None, float]:
-    """Whether the merged update ``delta`` may be applied to ``weights``.
-
-    Returns ``(problem or None, ‖Δ‖ / ‖θ‖)`` with θ the weights ``delta`` changes; the ratio is
-    not checked when ``max_ratio`` is 0 or those weights are all zero (nothing to compare
-    with), finiteness always is.
-    """
-    problem = nonfinite_problem(delta, "the merged update's")
-    if problem is not None:
-        return problem, math.nan
-    update_norm = tensors_norm(delta.values())
-    weights_norm = tensors_norm(weights[name] for name in delta)
+    """Whether a finite merged update Δ may be applied, from its norm ‖Δ‖ and the norm ‖θ‖ of
+    the weights it changes: ``(problem or None, ‖Δ‖ / ‖θ‖)``. An overflowing ‖Δ‖ is a problem;
+    the ratio is not checked when ``max_ratio`` is 0 or ‖θ‖ is 0 (nothing to compare with)."""
     ratio = update_norm / weights_norm if weights_norm > 0.0 else 0.0
     if not math.isfinite(update_norm):
         return f"the merged update's norm overflows ({update_norm})", ratio

@@ -24,7 +24,7 @@ tensors or run eagerly slice by slice, with the same element-wise arithmetic eit
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from ..options import FRACTION, option, option_group
 from ._chunks import below
 from ._common import check_gamma, check_k, compute_dtype, forget_clients, node_ids, out_dtype
-from .base import ClientUpdate, MergeResult, register_merge, validate_updates
+from .base import ClientUpdate, MergeResult, delta_mapping, register_merge, validate_updates
 from .firm import support_size
 from .kernels import (
     bracket_counts,
@@ -203,7 +203,11 @@ def ties_combine(tensors: Sequence[torch.Tensor], k: float) -> tuple[torch.Tenso
 
 @register_merge("ties")
 def ties_merge(
-    updates: Sequence[ClientUpdate], *, gamma: float = 1.0, k: float = DEFAULT_K
+    updates: Sequence[ClientUpdate],
+    *,
+    gamma: float = 1.0,
+    k: float = DEFAULT_K,
+    delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
     """TIES merge (SPEC §2.1) of the FORGET task vectors: ``Δ = gamma · ties_combine(τ, k)``.
 
@@ -224,7 +228,7 @@ def ties_merge(
     kf = check_k(k)
     keys = validate_updates(updates)
     forget = forget_clients(updates, "TIES")
-    delta: dict[str, torch.Tensor] = {}
+    delta = delta_mapping(delta_out)
     tensors_report: dict[str, dict] = {}
     total_sq = 0.0
     compiled = use_compiled_for(forget[0].task_vector, keys)

@@ -307,8 +307,10 @@ def test_mpu_copies_are_validated_before_mapping_back():
 
 
 def _delta(strategy: MergeStrategy, replies: list[Message]) -> dict[str, torch.Tensor]:
-    strategy.aggregate_train(1, replies)
-    return strategy.last_merge.delta
+    """The update the round applied: new weights − old (the merged Δ itself is not kept)."""
+    old = strategy.global_arrays.to_torch_state_dict()
+    new = strategy.aggregate_train(1, replies)[0].to_torch_state_dict()
+    return {k: new[k] - old[k] for k in old if not torch.equal(new[k], old[k])}
 
 
 def _norm(delta: dict[str, torch.Tensor]) -> float:

@@ -13,6 +13,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Message, MetricRecord
 
+from fedunlearn.merging import firm_merge
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
@@ -21,6 +22,7 @@ from strategies.mpu_strategy import MpuStrategy
 from strategies.reply_validation import RoundFailedError
 from strategies.settings import RunSettings
 from tests.strategies.replies import reply_metadata
+from wire.arrays import array_tensor, weights_record
 from wire.messages import encode_client_reply
 
 CONFIG = tiny_llama_config(64, hidden_size=16, num_hidden_layers=1, intermediate_size=32)
@@ -256,7 +258,6 @@ def test_honest_rounds_merge_bit_for_bit_as_without_the_checks(merge):
     assert not _excluded(default)
     new, new_off = arrays.to_torch_state_dict(), arrays_off.to_torch_state_dict()
     assert all(torch.equal(new[k], new_off[k]) for k in STATE)
-    assert all(torch.equal(default.last_merge.delta[k], off.last_merge.delta[k]) for k in NAMES)
     assert any(not torch.equal(new[k], STATE[k]) for k in NAMES)  # the round did change θ
     ratio = default.round_record()["merge"]["update_ratio"]
     assert 0 < ratio < 1, ratio
@@ -330,7 +331,8 @@ def test_the_round_reports_what_the_models_dtype_keeps_of_the_update(dtype, lost
     strategy = _strategy(model_dtype=dtype)
     arrays, _ = strategy.aggregate_train(1, _replies())
     new = arrays.to_torch_state_dict()
-    delta = strategy.last_merge.delta
+    # the merge is deterministic: its Δ from the round's updates is the one the round applied
+    delta = firm_merge(strategy.last_updates, gamma=1.0).delta
     assert all(torch.equal(new[k], STATE[k] + delta[k]) for k in delta)  # float32 θ + Δ
     error = strategy.round_record()["merge"]["applied_relative_error"]
     applied = sum(
@@ -341,3 +343,68 @@ def test_the_round_reports_what_the_models_dtype_keeps_of_the_update(dtype, lost
     assert error == pytest.approx(math.sqrt(applied / norm), rel=1e-9)
     # float32 keeps Δ up to the rounding of θ + Δ; bfloat16 rounds small entries away
     assert (error > 1e-3) if lost else error < 1e-6
+
+
+STREAMING_MERGES = textwrap.dedent("""
+    import torch
+    from fedunlearn.merging import MergeResult, firm_merge
+
+    def firm_whole(updates, *, gamma=1.0):
+        # no delta_out: Δ comes back whole, as from a plug-in written for a dict
+        return firm_merge(updates, gamma=gamma)
+
+    def nan_second(updates, *, delta_out=None):
+        delta = {} if delta_out is None else delta_out
+        for i, key in enumerate(updates[0].task_vector):
+            value = 1e-3 * torch.ones_like(updates[0].task_vector[key])
+            delta[key] = value if i == 0 else torch.full_like(value, float("nan"))
+        return MergeResult(delta=delta, report={})
+""")
+
+
+@pytest.fixture
+def streaming_merges(tmp_path, monkeypatch):
+    (tmp_path / "streaming_merges.py").write_text(STREAMING_MERGES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "streaming_merges"
+    sys.modules.pop("streaming_merges", None)
+
+
+def test_a_merge_returning_its_delta_whole_gives_the_streamed_rounds_weights(streaming_merges):
+    streamed = _strategy("firm")
+    assert streamed.streams_delta
+    new = streamed.aggregate_train(1, _replies())[0].to_torch_state_dict()
+    whole = _strategy(f"{streaming_merges}:firm_whole")
+    assert not whole.streams_delta
+    new_whole = whole.aggregate_train(1, _replies())[0].to_torch_state_dict()
+    assert all(torch.equal(new[k], new_whole[k]) for k in STATE)
+    assert streamed.round_record()["merge"]["update_ratio"] == pytest.approx(
+        whole.round_record()["merge"]["update_ratio"], rel=1e-12
+    )
+
+
+def test_a_streamed_merge_failing_after_its_first_weight_changes_no_weight(
+    streaming_merges, tmp_path
+):
+    checkpoint = RunCheckpoint(tmp_path / "checkpoint", "fingerprint")
+    strategy = _strategy(f"{streaming_merges}:nan_second", checkpoint=checkpoint, **CHECKS_OFF)
+    with pytest.raises(RoundFailedError, match=r"non-finite.*model is kept"):
+        strategy.aggregate_train(1, _replies())
+    kept = strategy.global_arrays.to_torch_state_dict()
+    assert all(torch.equal(kept[k], v) for k, v in STATE.items())  # not even the first weight
+    # the new weights waited in an unnamed temporary file: nothing is left in the folder
+    assert not [p.name for p in checkpoint.folder.iterdir() if p.name.startswith("tmp")]
+
+
+def test_bfloat16_global_weights_stay_bfloat16_with_theta_plus_delta_rounded_once():
+    strategy = _strategy(model_dtype=torch.bfloat16)
+    state = {k: v.to(torch.bfloat16) for k, v in STATE.items()}
+    strategy.global_arrays = weights_record(state)
+    arrays, _ = strategy.aggregate_train(1, _replies())
+    assert {arrays[k].dtype for k in arrays} == {"bfloat16"}
+    new = {k: array_tensor(arrays[k]) for k in arrays}
+    delta = firm_merge(strategy.last_updates, gamma=1.0).delta
+    for k in STATE:
+        expected = (state[k].float() + delta[k]).to(torch.bfloat16) if k in delta else state[k]
+        assert new[k].dtype == torch.bfloat16 and torch.equal(new[k], expected), k
+    assert strategy.round_record()["merge"]["applied_relative_error"] > 1e-3

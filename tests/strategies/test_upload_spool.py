@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,3 +198,27 @@ def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
     for key in want:
         assert torch.equal(got[key], want[key])
     spool.clear()
+
+
+def _mapped(path) -> bool:
+    return str(path) in Path("/proc/self/maps").read_text()
+
+
+def test_a_spooled_upload_stays_mapped_only_while_a_tensor_read_from_it_lives(tmp_path):
+    """The server's memory does not grow by every upload it merged: a read maps the file only
+    for the tensor it returns (an open handle would keep every page read resident)."""
+    spool = UploadSpool(tmp_path / "spool")
+    spool.begin_round(1)
+    g = torch.Generator().manual_seed(0)
+    tv = {Q: torch.randn(64, 64, generator=g), DOWN: torch.randn(64, 96, generator=g)}
+    update = ClientUpdate(11, "forget", "a", 4, tv, {k: v.abs() for k, v in tv.items()})
+    stored = spool.store(update, {k: tuple(v.shape) for k, v in tv.items()})
+    path = next((tmp_path / "spool" / "round-1").glob("node-11.safetensors"))
+    kept = stored.fisher[Q]
+    assert _mapped(path) and torch.equal(kept, tv[Q].abs())
+    total = sum(float(stored.task_vector[k].sum()) for k in tv)
+    assert total == pytest.approx(sum(float(v.sum()) for v in tv.values()), rel=1e-6)
+    del kept, stored  # the merge is done with this client's tensors
+    gc.collect()
+    assert not _mapped(path)
+    assert path.exists()  # the spool keeps the file for the round (save-uploads reads it)
