@@ -1,8 +1,8 @@
 """MPU's threat model, measured: what a client that aligns its m copies recovers.
 
     python -m simulations.mpu_attack [--model builtin|smollm2-135m] [--kappas 0.001,0.01,0.05]
-        [--copies 2,3,4] [--defenses none,shared-noise,...] [--run-config "..."]
-        [--output-dir DIR]
+        [--copies 2,3,4] [--defenses none,shared-noise,...] [--shared-kappas 0.01]
+        [--run-config "..."] [--output-dir DIR]
 
 The server's model θ is the run's model (``--model builtin``: the tofu substrate of the run
 config; ``smollm2-135m``: the registry's SmolLM2-135M-Instruct). For every cell (κ, m, KV-group
@@ -23,7 +23,14 @@ algorithm but not the keys. Each estimate is scored against θ:
   (against the scenario's retain-only reference, as a run scores them).
 
 Estimates: one copy as is; the naive (unaligned) mean; the aligned harmonic mean with the
-published α_k; the aligned minimum-norm combination (no α needed). What a defense costs the
+published α_k; the aligned minimum-norm combination (no α needed). Each estimate's leak ratio
+(one copy's max |Δlogits| ÷ the estimate's) is reported on its own. The attacker cannot tell
+which of the two aligned estimates is closer to θ (that needs θ), so the best of the two,
+``leak_upper_bound``, is an upper bound on what an attacker achieves, not a measured attack;
+the attacker's own choice needs no θ: the harmonic mean where the α_k are the public grid, the
+minimum-norm combination under ``secret-scales`` (``attacker_estimate``, ``leak_ratio``).
+The ``shared-noise`` defense runs once per ``--shared-kappas`` value κ_η (σ_η = κ_η·RMS of the
+layer, what ``mpu.shared-kappa`` sets in a run). What a defense costs the
 server is measured on the same copies as ``denoise_error``: one full-gradient step of the NLL
 on forget QA taken on every copy, mapped back exactly and aggregated harmonically as the server
 does, against the same step taken on θ, ‖Δ̄ − Δ_θ‖ / ‖Δ_θ‖ (a one-step proxy for a client's
@@ -76,6 +83,7 @@ from simulations.run_local import default_cache_dir
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STUDY_SECRET = b"fedunlearn-mpu-attack-study"
 ESTIMATES = ("one_copy", "naive_mean", "aligned_harmonic", "aligned_min_norm")
+ALIGNED = ("aligned_harmonic", "aligned_min_norm")
 SCENARIO_METRICS = (
     "forget_rouge_l",
     "forget_truth_ratio",
@@ -95,6 +103,7 @@ class AttackConfig:
     copies: tuple[int, ...] = (2, 3, 4)
     defenses: tuple[str, ...] = tuple(DEFENSES)
     defense_copies: tuple[int, ...] = (2, 3)
+    shared_kappas: tuple[float, ...] = (0.01,)
     texts: int = 16
     forget_texts: int = 8
     evaluate: bool = True
@@ -191,9 +200,11 @@ def publish(
     permute_groups: bool,
     defense: Defense,
     cell_seed: int,
+    shared_kappa: float = 0.0,
 ) -> Published:
     """A client's m copies under ``defense`` (MPU's own publishing functions; see the module
-    docstring); ``single-copy`` publishes MPU's Noised baseline: θ + ε, one copy, no T."""
+    docstring); ``single-copy`` publishes MPU's Noised baseline: θ + ε, one copy, no T;
+    ``shared_kappa`` > 0 adds the noise η (σ_η = κ_η·RMS of the layer) common to the copies."""
     num_layers = int(model_config.num_hidden_layers)
     groups = layer_groups(state.keys(), num_layers)
     sigmas = sigma_per_tensor(groups, layer_sigmas(state, groups, kappa))
@@ -210,7 +221,9 @@ def publish(
         draw_transforms(dims, STUDY_SECRET, cell_seed, k, num_layers, permute_groups=permute_groups)
         for k in range(m)
     ]
-    shared = sigmas if defense.shared_noise else None
+    shared = None
+    if shared_kappa > 0:
+        shared = sigma_per_tensor(groups, layer_sigmas(state, groups, shared_kappa))
     copies = perturbed_copies(state, sigmas, scales, gen, transforms, shared_sigmas=shared)
     extra = [None] * m
     if defense.extra_map is not None:
@@ -335,17 +348,20 @@ class Cell:
     m: int
     permute_groups: bool
     defense: str
+    shared_kappa: float = 0.0  # κ_η of the noise common to the copies (shared-noise only)
 
     @property
     def seed(self) -> int:
+        shared = (f"{self.shared_kappa:g}",) if self.shared_kappa else ()
         return derive_seed(
-            STUDY_SECRET, f"{self.kappa:g}", self.m, int(self.permute_groups), self.defense
+            STUDY_SECRET, f"{self.kappa:g}", self.m, int(self.permute_groups), self.defense, *shared
         )
 
 
 def grid(cfg: AttackConfig) -> list[Cell]:
     """The main grid (κ × m × permutation, no defense), then every defense at each κ
-    (m ∈ ``defense_copies``, permutation on; ``single-copy`` once per κ)."""
+    (m ∈ ``defense_copies``, permutation on; ``single-copy`` once per κ; ``shared-noise`` once
+    per κ_η of ``shared_kappas``)."""
     cells = [
         Cell(kappa, m, permute, "none")
         for kappa in cfg.kappas
@@ -356,10 +372,17 @@ def grid(cfg: AttackConfig) -> list[Cell]:
     for name in cfg.defenses:
         if name == "none":
             continue
+        shared = cfg.shared_kappas if DEFENSES[name].shared_noise else (0.0,)
         for kappa in cfg.kappas:
             ms = (1,) if DEFENSES[name].single_copy else cfg.defense_copies
-            cells += [Cell(kappa, m, True, name) for m in ms]
+            cells += [Cell(kappa, m, True, name, eta) for m in ms for eta in shared]
     return cells
+
+
+def attacker_estimate(defense: Defense) -> str:
+    """The aligned estimate an attacker uses without knowing θ: the harmonic mean with the
+    public α grid, or the minimum-norm combination when the α_k are secret."""
+    return "aligned_min_norm" if defense.secret_scales else "aligned_harmonic"
 
 
 def run_cell(cell: Cell, target: Target, scorer: Scorer, cfg: AttackConfig) -> dict[str, Any]:
@@ -368,7 +391,14 @@ def run_cell(cell: Cell, target: Target, scorer: Scorer, cfg: AttackConfig) -> d
     config = target.model.config
     defense = DEFENSES[cell.defense]
     published = publish(
-        scorer.theta, config, cell.kappa, cell.m, cell.permute_groups, defense, cell.seed
+        scorer.theta,
+        config,
+        cell.kappa,
+        cell.m,
+        cell.permute_groups,
+        defense,
+        cell.seed,
+        cell.shared_kappa,
     )
     scores: dict[str, dict[str, float]] = {}
     recovered = estimates(published, scorer.num_layers, defense)
@@ -377,18 +407,25 @@ def run_cell(cell: Cell, target: Target, scorer: Scorer, cfg: AttackConfig) -> d
             **scorer.logit_scores(state),
             "weight_error": scorer.weight_error(_to_original(state, published, 0)),
         }
-    best = min(("aligned_harmonic", "aligned_min_norm"), key=lambda e: scores[e]["max_dlogit"])
+    one = scores["one_copy"]["max_dlogit"]
+    ratios = {e: one / max(scores[e]["max_dlogit"], 1e-30) for e in ALIGNED}
+    chosen = attacker_estimate(defense)
     record: dict[str, Any] = {
         **asdict(cell),
         "estimates": scores,
-        "best_attack": best,
-        "leak_ratio": scores["one_copy"]["max_dlogit"] / max(scores[best]["max_dlogit"], 1e-30),
+        # one copy's max |Δlogits| ÷ each aligned estimate's
+        "leak_ratios": ratios,
+        # the estimate an attacker picks without θ, and its ratio
+        "attacker_estimate": chosen,
+        "leak_ratio": ratios[chosen],
+        # the better of the two, chosen by the distance to θ: an upper bound, not an attack
+        "leak_upper_bound": max(ratios.values()),
         "denoise_error": scorer.denoise_error(published),
     }
     if target.evaluate is not None and cell.permute_groups:
         record["scenario"] = {
             "one_copy": target.evaluate(scorer._load(recovered["one_copy"])),
-            "recovered": target.evaluate(scorer._load(recovered[best])),
+            "recovered": target.evaluate(scorer._load(recovered[chosen])),
         }
     record["seconds"] = time.perf_counter() - started
     return record
@@ -402,32 +439,39 @@ def study_markdown(summary: dict[str, Any]) -> str:
     """The leak table (every cell) and the scenario metrics of the recovered models."""
     lines = [
         f"MPU alignment attack on `{summary['config']['model']}`: max |Δlogits| / KL / weight "
-        "error of each estimate against θ; leak = one copy ÷ best aligned (max |Δlogits|); "
-        "denoise = the server's one-step aggregate error.",
+        "error of each estimate against θ; leak = one copy ÷ the aligned estimate (max "
+        "|Δlogits|), for the harmonic and the min-norm estimate; 'attacker' = the leak of the "
+        "estimate an attacker picks without θ (harmonic; min-norm under secret scales); 'upper "
+        "bound' = the better of the two, picked by the distance to θ, which an attacker cannot "
+        "know; κ_η = shared-noise scale; denoise = the server's one-step aggregate error.",
         "",
-        "| defense | κ | m | perm | one copy | naive mean | aligned harmonic | aligned min-norm "
-        "| KL one / best | weight err one / best | leak | denoise |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| defense | κ | κ_η | m | perm | one copy | naive mean | aligned harmonic "
+        "| aligned min-norm | KL one / attacker | weight err one / attacker "
+        "| leak harmonic | leak min-norm | leak attacker | upper bound | denoise |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["cells"]:
-        e, best = r["estimates"], r["estimates"][r["best_attack"]]
+        e, chosen = r["estimates"], r["estimates"][r["attacker_estimate"]]
         gaps = " | ".join(_g(e[name]["max_dlogit"]) for name in ESTIMATES)
         perm = "on" if r["permute_groups"] else "off"
+        leaks = " | ".join(f"{r['leak_ratios'][name]:.1f}×" for name in ALIGNED)
         lines.append(
-            f"| {r['defense']} | {r['kappa']:g} | {r['m']} | {perm} | {gaps}"
-            f" | {_g(e['one_copy']['kl'])} / {_g(best['kl'])}"
-            f" | {_g(e['one_copy']['weight_error'])} / {_g(best['weight_error'])}"
-            f" | {r['leak_ratio']:.1f}× | {_g(r['denoise_error'])} |"
+            f"| {r['defense']} | {r['kappa']:g} | {r['shared_kappa']:g} | {r['m']} | {perm}"
+            f" | {gaps}"
+            f" | {_g(e['one_copy']['kl'])} / {_g(chosen['kl'])}"
+            f" | {_g(e['one_copy']['weight_error'])} / {_g(chosen['weight_error'])}"
+            f" | {leaks} | {r['leak_ratio']:.1f}× | {r['leak_upper_bound']:.1f}×"
+            f" | {_g(r['denoise_error'])} |"
         )
     scored = [r for r in summary["cells"] if "scenario" in r]
     if scored:
         server = summary["server_metrics"]
         lines += [
             "",
-            "Scenario metrics (server's model / one copy / recovered):",
+            "Scenario metrics (server's model / one copy / the attacker's estimate):",
             "",
-            "| defense | κ | m | " + " | ".join(SCENARIO_METRICS) + " |",
-            "|---|---|---|" + "---|" * len(SCENARIO_METRICS),
+            "| defense | κ | κ_η | m | " + " | ".join(SCENARIO_METRICS) + " |",
+            "|---|---|---|---|" + "---|" * len(SCENARIO_METRICS),
         ]
         for r in scored:
             s = r["scenario"]
@@ -436,14 +480,17 @@ def study_markdown(summary: dict[str, Any]) -> str:
                 for k in SCENARIO_METRICS
             ]
             lines.append(
-                f"| {r['defense']} | {r['kappa']:g} | {r['m']} | " + " | ".join(cols) + " |"
+                f"| {r['defense']} | {r['kappa']:g} | {r['shared_kappa']:g} | {r['m']} | "
+                + " | ".join(cols)
+                + " |"
             )
     return "\n".join(lines) + "\n"
 
 
 def plot(summary: dict[str, Any], path: Path) -> Path:
     """Left: max |Δlogits| per κ for one copy and the aligned attack (no defense, m lines);
-    right: each defense at the middle κ, one copy vs best aligned, with the denoise error."""
+    right: each defense at the middle κ, one copy vs the attacker's aligned estimate, with the
+    denoise error."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -456,8 +503,8 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
         if not rows:
             continue
         kappas = [r["kappa"] for r in rows]
-        best = [r["estimates"][r["best_attack"]]["max_dlogit"] for r in rows]
-        left.plot(kappas, best, marker="o", label=f"aligned, m={m}")
+        chosen = [r["estimates"][r["attacker_estimate"]]["max_dlogit"] for r in rows]
+        left.plot(kappas, chosen, marker="o", label=f"aligned, m={m}")
     rows = [r for r in cells if r["defense"] == "none" and r["permute_groups"] and r["m"] == 2]
     if rows:
         one = [r["estimates"]["one_copy"]["max_dlogit"] for r in rows]
@@ -468,12 +515,15 @@ def plot(summary: dict[str, Any], path: Path) -> Path:
     kappas = sorted({r["kappa"] for r in cells})
     mid = kappas[len(kappas) // 2] if kappas else None
     rows = [r for r in cells if r["kappa"] == mid and r["permute_groups"] and r["m"] in (1, 2)]
-    labels = [r["defense"] for r in rows]
+    labels = [
+        f"{r['defense']} κ_η={r['shared_kappa']:g}" if r["shared_kappa"] else r["defense"]
+        for r in rows
+    ]
     x = range(len(rows))
     one = [r["estimates"]["one_copy"]["max_dlogit"] for r in rows]
-    best = [r["estimates"][r["best_attack"]]["max_dlogit"] for r in rows]
+    best = [r["estimates"][r["attacker_estimate"]]["max_dlogit"] for r in rows]
     right.bar([i - 0.2 for i in x], one, 0.4, label="one copy")
-    right.bar([i + 0.2 for i in x], best, 0.4, label="best aligned")
+    right.bar([i + 0.2 for i in x], best, 0.4, label="aligned (attacker's estimate)")
     for i, r in enumerate(rows):
         right.annotate(
             f"denoise {r['denoise_error']:.2g}",
@@ -527,6 +577,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--copies", type=_ints, default=defaults.copies)
     parser.add_argument("--defense-copies", type=_ints, default=defaults.defense_copies)
     parser.add_argument("--defenses", default=",".join(defaults.defenses))
+    parser.add_argument(
+        "--shared-kappas",
+        type=_floats,
+        default=defaults.shared_kappas,
+        help="κ_η values of the shared-noise defense (σ_η = κ_η·RMS of the layer)",
+    )
     parser.add_argument("--texts", type=int, default=defaults.texts)
     parser.add_argument("--no-evaluate", action="store_true", help="skip the scenario metrics")
     parser.add_argument("--run-config", default="", help="builtin: run-config overrides")
@@ -539,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         copies=args.copies,
         defenses=tuple(d for d in args.defenses.split(",") if d),
         defense_copies=args.defense_copies,
+        shared_kappas=args.shared_kappas,
         texts=args.texts,
         evaluate=not args.no_evaluate and args.model == "builtin",
         run_config=args.run_config,

@@ -121,7 +121,7 @@ DEFENSES: dict[str, Defense] = {
         "α_k drawn from the secret (the attacker cannot weight by 1/α_k)", secret_scales=True
     ),
     "shared-noise": Defense(
-        "+ noise η (σ = κ·RMS) shared by a client's copies, not cancelled by the server",
+        "+ noise η (σ_η = κ_η·RMS) shared by a client's copies, not cancelled by the server",
         shared_noise=True,
     ),
     "single-copy": Defense(
