@@ -1,10 +1,11 @@
 """The Flower ClientApp: a forget or retain client for one unlearning request.
 
 On a TRAIN message the client rebuilds the model it was sent, materialises its own data
-shard, computes the empirical Fisher diagonal at the received weights (SPEC §1.1), trains a
-LoRA adapter (or, with ``finetune='full'``, the targeted weights themselves) with its role's
-objective and replies with the task vector, the Fisher diagonal and its metrics, in the
-run's upload forms (``upload.task-vector``, ``upload.fisher``: :mod:`fedunlearn.upload_codec`).
+shard, computes the empirical Fisher diagonal at the received weights (docs/algorithms.md,
+"What a client uploads"), trains a LoRA adapter (or, with ``finetune='full'``, the targeted
+weights themselves) with its role's objective and replies with the task vector, the Fisher
+diagonal and its metrics, in the run's upload forms (``upload.task-vector``, ``upload.fisher``:
+:mod:`fedunlearn.upload_codec`).
 """
 
 from __future__ import annotations
@@ -207,8 +208,9 @@ def local_update(
     retain_examples: list | None,
     alternate_examples: list | None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
-    """Fisher diagonal at ``model``'s weights, then a task vector (SPEC §1): s·B@A of a LoRA
-    adapter, or with ``finetune='full'`` θ_after − θ_received of the same targeted weights."""
+    """Fisher diagonal at ``model``'s weights, then a task vector (docs/algorithms.md, "What a
+    client uploads"): s·B@A of a LoRA adapter, or with ``finetune='full'`` θ_after − θ_received
+    of the same targeted weights."""
     lora = lora_settings(config)
     names = adapted_parameter_names(model, lora)
     t_fisher = time.perf_counter()
@@ -223,7 +225,8 @@ def local_update(
     dense_bytes = 2 * 4 * sum(v.numel() for v in fisher.values())
     fisher_parts = encoded_fisher(fisher, config)  # the dense Fisher is not kept in training
     if bool(config.get("load-in-4bit", False)):
-        # SPEC §1.1: Fisher above came from the unquantised weights; train on an NF4 copy
+        # the Fisher above came from the unquantised weights; train on an NF4 copy
+        # (docs/algorithms.md, "What a client uploads")
         model = quantize_4bit(model)
     finetune = str(config.get("finetune", "lora"))
     task_vector: Mapping[str, torch.Tensor | LowRankDelta]

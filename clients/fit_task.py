@@ -1,4 +1,4 @@
-"""Federated training tasks of DP2Unlearning on a data client (SPEC §4).
+"""Federated training tasks of DP2Unlearning on a data client (docs/algorithms.md, "DP2Unlearning").
 
 A TRAIN message with ``task='fit'`` asks the client to train the received full weights on
 its own records for one round and send them back (the server averages them):

@@ -1,5 +1,5 @@
-"""DP2Unlearning, federated (SPEC §4): who holds which records, FedAvg of client weights,
-and the proof of what reached a training loop.
+"""DP2Unlearning, federated (docs/algorithms.md, "DP2Unlearning"): who holds which records,
+FedAvg of client weights, and the proof of what reached a training loop.
 
 Every data client holds a contiguous shard of the fictitious authors (all of their QA).
 A forget request names authors (TOFU convention: the last ``forget_percent`` % of them), or

@@ -1,4 +1,4 @@
-"""Empirical Fisher diagonal of a client (docs/algorithms.md: the Fisher diagonal)."""
+"""Empirical Fisher diagonal of a client (docs/algorithms.md, "What a client uploads")."""
 
 from __future__ import annotations
 

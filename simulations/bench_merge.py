@@ -1,4 +1,5 @@
-"""Benchmark the server-side merges (SPEC §2) on synthetic task vectors and Fisher diagonals.
+"""Benchmark the server-side merges on synthetic task vectors and Fisher diagonals
+(docs/algorithms.md, "What the server does").
 
     python -m simulations.bench_merge                 # a quarter of the paper's WMDP scale
     python -m simulations.bench_merge --paper-scale   # 3 tensors of 14336×4096 (run once only)
@@ -140,7 +141,8 @@ _FIRM_DEFAULTS = {
 }
 ALPHA = float(_FIRM_DEFAULTS["alpha"])
 EPS0 = float(_FIRM_DEFAULTS["eps0"])
-#: Relative tolerance on the retention budget when checking feasibility (SPEC §2.4's τ).
+#: Relative tolerance on the retention budget when checking feasibility (the τ of
+#: docs/algorithms.md, "FIRM retention-constrained projection").
 BUDGET_RTOL = 1e-4
 
 

@@ -1,9 +1,10 @@
 """How much Fisher must a client upload? Compact Fisher uploads against FIRM's dense merge.
 
-FIRM (SPEC §2.3) keeps the top-α entries of every retain client's own F̂_k and of every forget
-domain's pooled mean F̄_g = (1/n_g)·Σ_i F̂_i. A top-α' upload (``fedunlearn.upload_codec``) with
-α' ≥ α is exact for the former and for a domain of one client; for n_g > 1 the server pools
-the truncated uploads (dropped entries decode as 0), whose top-α is not the pooled mean's.
+FIRM (docs/algorithms.md, "FIRM base merge") keeps the top-α entries of every retain client's
+own F̂_k and of every forget domain's pooled mean F̄_g = (1/n_g)·Σ_i F̂_i. A top-α' upload
+(``fedunlearn.upload_codec``) with α' ≥ α is exact for the former and for a domain of one
+client; for n_g > 1 the server pools the truncated uploads (dropped entries decode as 0), whose
+top-α is not the pooled mean's.
 
 For every input and every Fisher form (dense, bf16, top-α' for α' ∈ {1, 1.25, 1.5, 2, 3, 5}·α
 and 1) each client's Fisher is encoded and decoded as the server decodes it, and FIRM base

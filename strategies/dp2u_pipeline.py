@@ -1,4 +1,5 @@
-"""DP2Unlearning on Flower (SPEC §4): stages A, B, C and the baselines, from run config.
+"""DP2Unlearning on Flower: stages A, B, C and the baselines, from run config
+(docs/algorithms.md, "DP2Unlearning").
 
 ``pipeline="dp2u"`` with ``dp2u.method``:
 

@@ -1,4 +1,5 @@
-"""Federated training of full weights (FedAvg) for DP2Unlearning's stages (SPEC §4).
+"""Federated training of full weights (FedAvg) for DP2Unlearning's stages (docs/algorithms.md,
+"DP2Unlearning").
 
 Every round each data client receives the global weights and its own config (stage, shard,
 the records a forget request removes), trains one round locally and returns its weights; the

@@ -177,8 +177,9 @@ def encode_client_reply(
     fisher: dict[str, torch.Tensor] | ArrayRecord | None,
     metrics: dict[str, float],
 ) -> RecordDict:
-    """Pack a client's summary (SPEC §1) into a reply RecordDict (the upload parts as dicts of
-    tensors, or already packed by :func:`packed_record`)."""
+    """Pack a client's summary (docs/algorithms.md, "What a client uploads") into a reply
+    RecordDict (the upload parts as dicts of tensors, or already packed by
+    :func:`packed_record`)."""
     content = RecordDict()
     content["task_vector"] = _record(task_vector)
     if fisher is not None:

@@ -1,4 +1,5 @@
-"""Synthetic MUSE-style benchmark: narrative passages from invented books (SPEC §5.3).
+"""Synthetic MUSE-style benchmark: narrative passages from invented books (docs/scenarios.md,
+"The three scenarios").
 
 Every book has its own invented characters (two or three travellers who recur through the
 book, plus one side character per passage). Each passage is one short paragraph (about

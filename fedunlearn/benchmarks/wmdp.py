@@ -1,9 +1,10 @@
 """Synthetic WMDP-style benchmark: multiple-choice questions about ENTIRELY FICTITIOUS entities.
 
 WMDP measures hazardous knowledge with four-option questions in biosecurity, cybersecurity and
-chemistry, and MMLU measures general knowledge (SPEC §5.2). This module builds a safe stand-in:
-every "hazard" domain is made of invented entities whose attributes are drawn from fixed pools
-of made-up, harmless values. Nothing here describes a real organism, program or substance.
+chemistry, and MMLU measures general knowledge (docs/scenarios.md, "The three scenarios").
+This module builds a safe stand-in: every "hazard" domain is made of invented entities whose
+attributes are drawn from fixed pools of made-up, harmless values. Nothing here describes a real
+organism, program or substance.
 
 * ``bio``: invented organisms ("the Veltrax spore") with a carrier animal, a way of spreading,
   a time to mature, something that weakens them and the colour they turn when ripe.

@@ -1,2 +1,3 @@
-"""Differential privacy for DP2Unlearning (SPEC §4): DP-SGD with a persistent accountant
-(:mod:`fedunlearn.dp.dpsgd`) and DP-MLM text rewriting (:mod:`fedunlearn.dp.mlm`)."""
+"""Differential privacy for DP2Unlearning (docs/algorithms.md, "DP2Unlearning"): DP-SGD with a
+persistent accountant (:mod:`fedunlearn.dp.dpsgd`) and DP-MLM text rewriting
+(:mod:`fedunlearn.dp.mlm`)."""

@@ -1,4 +1,5 @@
-"""DP-SGD for one client's local training (SPEC §4, DP2Unlearning stage A), through Opacus.
+"""DP-SGD for one client's local training, through Opacus (stage A of docs/algorithms.md,
+"DP2Unlearning").
 
 Symbols as in the DP2Unlearning / DP-SGD papers:
 

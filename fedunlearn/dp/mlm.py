@@ -1,5 +1,5 @@
-"""DP-MLM text rewriting (SPEC §4.1; DP2Unlearning, Al Mahmud et al. 2025, after DP-MLM,
-Meisenbacher et al. 2024).
+"""DP-MLM text rewriting (docs/algorithms.md, "DP2Unlearning"; DP2Unlearning, Al Mahmud et al.
+2025, after DP-MLM, Meisenbacher et al. 2024).
 
 Each token chosen for rewriting is masked and a masked LM proposes replacements; one is drawn
 with the exponential mechanism whose utility is the MLM logit, clipped to [c_min, c_max]

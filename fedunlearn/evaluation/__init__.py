@@ -1,4 +1,5 @@
-"""Evaluation: answer likelihoods, greedy generation and TOFU-style metrics (SPEC §5.1)."""
+"""Evaluation: answer likelihoods, greedy generation and TOFU-style metrics (docs/algorithms.md,
+"Evaluation metrics")."""
 
 from fedunlearn.evaluation.generation import greedy_generate
 from fedunlearn.evaluation.harness_mc import harness_accuracy

@@ -1,4 +1,5 @@
-"""Distances between two samples of per-question truth ratios (SPEC §5.1).
+"""Distances between two samples of per-question truth ratios (docs/algorithms.md, "Evaluation
+metrics").
 
 DP2Unlearning reports, next to the KS-test forget quality, how far the forget-set truth-ratio
 distribution of an unlearned model lies from that of the retain-only reference model:

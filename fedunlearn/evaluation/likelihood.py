@@ -3,7 +3,7 @@
 The score of an answer ``a`` to a question ``q`` is the mean token negative log-likelihood
 (NLL) of the labelled tokens produced by :func:`fedunlearn.qa_format.encode_qa` (the answer
 tokens plus the EOS), so ``P(a|q) = exp(-mean NLL)`` is a per-token, length-normalised
-probability (SPEC §5.1).
+probability (docs/algorithms.md, "Evaluation metrics").
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Multiple-choice accuracy by answer likelihood (WMDP / MMLU style, SPEC §5.2).
+"""Multiple-choice accuracy by answer likelihood, WMDP / MMLU style (docs/algorithms.md,
+"Evaluation metrics").
 
 Each choice is scored as an answer to :func:`fedunlearn.qa_format.format_prompt` of the
 question with :func:`fedunlearn.evaluation.likelihood.answer_nll` (mean token NLL of the choice

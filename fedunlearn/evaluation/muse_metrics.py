@@ -1,4 +1,4 @@
-"""MUSE-style metrics (SPEC §5.3): KnowMem, VerbMem and PrivLeak.
+"""MUSE-style metrics (docs/algorithms.md, "Evaluation metrics"): KnowMem, VerbMem and PrivLeak.
 
 * **KnowMem**: mean ROUGE-L F1 of the greedy answer to
   :func:`~fedunlearn.qa_format.format_prompt` ``(question)`` against the short answer. On the

@@ -1,4 +1,4 @@
-"""TOFU-style QA metrics (SPEC §5.1).
+"""TOFU-style QA metrics (docs/algorithms.md, "Evaluation metrics").
 
 Per split the evaluation reports
 

@@ -1,4 +1,5 @@
-"""Server-side merges of client updates (SPEC §2), selectable by name via :func:`get_merge`.
+"""Server-side merges of client updates, selectable by name via :func:`get_merge`
+(docs/algorithms.md, "What the server does").
 
 Each merge lives in its own module and registers itself with :func:`register_merge`; importing
 the module here is all it takes to make it available.

@@ -1,4 +1,5 @@
-"""Small helpers shared by the baseline merges (AVG, SUM, TIES, FULM; SPEC §2.1–§2.2)."""
+"""Small helpers shared by the baseline merges AVG, SUM, TIES and FULM (docs/algorithms.md,
+"TIES, AVG and SUM", "FULM and FULM-mean")."""
 
 from __future__ import annotations
 

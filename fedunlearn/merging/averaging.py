@@ -1,7 +1,7 @@
-"""AVG and SUM baseline merges (SPEC §2.1).
+"""AVG and SUM baseline merges (docs/algorithms.md, "TIES, AVG and SUM").
 
 * AVG: ``Δ = gamma · mean_i Δθ_i`` over ALL clients (forget and retain), unweighted
-  (``num_examples`` is ignored, as in the spec).
+  (``num_examples`` is ignored).
 * SUM: ``Δ = gamma · Σ_i Δθ_i`` over the FORGET clients only; retain clients are ignored.  Its
   norm grows with the number of forget clients ("magnitude explosion"), which FIRM avoids.
 
@@ -51,7 +51,8 @@ def avg_merge(
     gamma: float = 1.0,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """AVG merge (SPEC §2.1): ``Δ = gamma · mean`` of ALL task vectors, forget and retain.
+    """AVG merge: ``Δ = gamma · mean`` of ALL task vectors, forget and retain (docs/algorithms.md,
+    "TIES, AVG and SUM").
 
     Args:
         updates: client summaries (any roles; Fisher diagonals are not used).
@@ -86,7 +87,8 @@ def sum_merge(
     gamma: float = 1.0,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """SUM merge (SPEC §2.1): ``Δ = gamma · Σ`` of the FORGET task vectors (retain ignored).
+    """SUM merge: ``Δ = gamma · Σ`` of the FORGET task vectors, retain ignored (docs/algorithms.md,
+    "TIES, AVG and SUM").
 
     Args:
         updates: client summaries; at least one forget client (``ValueError`` otherwise).

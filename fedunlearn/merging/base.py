@@ -1,7 +1,8 @@
 """Data types shared by every server-side merge, and the merge registry.
 
-A merge takes the summaries sent back by the clients (:class:`ClientUpdate`, SPEC §1) and
-returns one dense update per adapted weight (:class:`MergeResult`, SPEC §2).  Merges register
+A merge takes the summaries sent back by the clients (:class:`ClientUpdate`;
+docs/algorithms.md, "What a client uploads") and returns one dense update per adapted weight
+(:class:`MergeResult`; docs/algorithms.md, "What the server does").  Merges register
 themselves by name with :func:`register_merge`; a new merge lives in its own module and only
 needs an import line in ``fedunlearn/merging/__init__.py`` to become available through
 :func:`get_merge`.
@@ -57,7 +58,8 @@ def _check_tensor(node_id: int | str, kind: str, key: str, t: Any, *, nonneg: bo
 
 @dataclass
 class ClientUpdate:
-    """The one summary a client sends back after local training (SPEC §1).
+    """The one summary a client sends back after local training (docs/algorithms.md, "What a
+    client uploads").
 
     Attributes:
         node_id: identifier of the client (unique within one merge).

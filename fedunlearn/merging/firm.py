@@ -1,4 +1,5 @@
-"""FIRM: Fisher-Informed Retention Merging (SPEC §2.3 base merge, §2.4 projection).
+"""FIRM: Fisher-Informed Retention Merging (docs/algorithms.md, "FIRM base merge", "FIRM
+retention-constrained projection").
 
 Per weight tensor t (processed one at a time, never concatenated):
 
@@ -49,7 +50,8 @@ from .selection import (
 @option_group("firm")
 @dataclass(frozen=True)
 class FirmOptions:
-    """FIRM's merge and projection (``[tool.flwr.app.config.firm]``; SPEC §2.3–2.4)."""
+    """FIRM's merge and projection (``[tool.flwr.app.config.firm]``; docs/algorithms.md, "FIRM
+    base merge", "FIRM retention-constrained projection")."""
 
     alpha: float = option(0.1, "kept Fisher fraction α per tensor (top-α sparsity)", FRACTION)
     eps0: float = option(1e-8, "stabiliser ε₀ of the normalisation and the averages", POSITIVE)
@@ -316,7 +318,8 @@ class _Sums:
 
 @dataclass
 class _TensorInputs:
-    """One weight's sparsified Fishers and flat task vectors, by side (SPEC §2.3 step 1–2)."""
+    """One weight's sparsified Fishers and flat task vectors, by side (steps 1–2 of
+    docs/algorithms.md, "FIRM base merge")."""
 
     forget: list[tuple[_SparsifiedFisher, list[torch.Tensor]]]
     retain: list[tuple[_SparsifiedFisher, torch.Tensor]]
@@ -378,7 +381,8 @@ def firm_kernel(
     out_dtype: torch.dtype,
     keep_dense: bool,
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """FIRM base merge (SPEC §2.3 steps 1–3) of one weight's flat inputs, with its report sums.
+    """FIRM base merge of one weight's flat inputs, with its report sums (steps 1–3 of
+    docs/algorithms.md, "FIRM base merge").
 
     ``forget``: per domain ``g`` ``(Fisher sources, scale, lower, task vectors)``: ``F̃_g`` is
     the sources' mean divided by ``scale``, kept above ``lower``, and ``Δ̄_g`` the task vectors'
@@ -491,7 +495,8 @@ def firm_merge(
     tol: float | None = None,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """FIRM merge (SPEC §2.3) with the optional retention projection (SPEC §2.4).
+    """FIRM merge with the optional retention projection (docs/algorithms.md, "FIRM base merge",
+    "FIRM retention-constrained projection").
 
     Args:
         updates: client summaries; at least one forget client (with a domain); every client must

@@ -1,4 +1,5 @@
-"""FULM: hierarchical federated unlearning merge (Zhong et al. 2025; SPEC §2.2).
+"""FULM: hierarchical federated unlearning merge (Zhong et al. 2025; docs/algorithms.md, "FULM
+and FULM-mean").
 
 1. cosine similarity ``S_ij`` between every pair of clients' task vectors, flattened over ALL
    tensors; computed by accumulating dot products and squared norms tensor by tensor (and in
@@ -279,7 +280,8 @@ def fulm_merge(
     k: float = DEFAULT_K,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """FULM merge (SPEC §2.2): ``Δ = gamma · Σ_c`` TIES centroid of similarity cluster ``c``.
+    """FULM merge: ``Δ = gamma · Σ_c`` TIES centroid of similarity cluster ``c``
+    (docs/algorithms.md, "FULM and FULM-mean").
 
     Args:
         updates: client summaries, forget and retain alike (all are clustered and merged).
@@ -308,7 +310,8 @@ def fulm_mean_merge(
     k: float = DEFAULT_K,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """FULM-MEAN merge (SPEC §2.2 variant): ``Δ = gamma · mean_c`` of the cluster centroids.
+    """FULM-MEAN merge: ``Δ = gamma · mean_c`` of the cluster centroids (docs/algorithms.md,
+    "FULM and FULM-mean").
 
     Same arguments and report as :func:`fulm_merge` (``method`` = ``"fulm-mean"``).
     """

@@ -1,4 +1,5 @@
-"""FIRM retention-constrained projection for one weight tensor (SPEC §2.4, "FIRM-QP").
+"""FIRM retention-constrained projection ("FIRM-QP") for one weight tensor (docs/algorithms.md,
+"FIRM retention-constrained projection").
 
 Given the base merge ``Δ_base`` of one tensor and the sparsified, normalised Fisher diagonals
 ``F̃_k`` of the m retain clients, solve
@@ -129,7 +130,8 @@ def project_retention(
     tol: float | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Project one tensor's base merge onto the retention budget (SPEC §2.4).
+    """Project one tensor's base merge onto the retention budget (docs/algorithms.md, "FIRM
+    retention-constrained projection").
 
     Args:
         delta_base: ``Δ_base`` of one weight tensor.

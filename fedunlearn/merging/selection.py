@@ -1,4 +1,5 @@
-"""Top-α thresholds in about one read pass: the k-th largest entry of a tensor (SPEC §2.1, §2.3).
+"""Top-α thresholds in about one read pass: the k-th largest entry of a tensor
+(docs/algorithms.md, "TIES, AVG and SUM", "FIRM base merge").
 
 FIRM keeps the entries of ``F̃`` that are ``>=`` the k-th largest normalised Fisher value, TIES
 (and FULM inside each cluster) the entries of ``τ_i`` whose magnitude is ``>=`` the k-th largest

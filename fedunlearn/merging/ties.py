@@ -1,4 +1,5 @@
-"""TIES merging (Yadav et al. 2023; SPEC §2.1) over the forget task vectors.
+"""TIES merging (Yadav et al. 2023) over the forget task vectors (docs/algorithms.md, "TIES, AVG
+and SUM").
 
 Per weight tensor, for the task vectors ``τ_1..τ_n`` (each with ``d`` entries):
 
@@ -209,7 +210,8 @@ def ties_merge(
     k: float = DEFAULT_K,
     delta_out: MutableMapping[str, torch.Tensor] | None = None,
 ) -> MergeResult:
-    """TIES merge (SPEC §2.1) of the FORGET task vectors: ``Δ = gamma · ties_combine(τ, k)``.
+    """TIES merge of the FORGET task vectors: ``Δ = gamma · ties_combine(τ, k)``
+    (docs/algorithms.md, "TIES, AVG and SUM").
 
     Args:
         updates: client summaries; at least one forget client (``ValueError`` otherwise).

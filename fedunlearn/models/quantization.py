@@ -1,7 +1,8 @@
 """4-bit NF4 training copies through bitsandbytes (QLoRA-style clients).
 
-The client computes the Fisher diagonal on the unquantised weights it received (SPEC §1.1:
-quantisation noise would swamp it) and trains its LoRA adapter on an NF4 copy made here.
+The client computes the Fisher diagonal on the unquantised weights it received (quantisation
+noise would swamp it; docs/algorithms.md, "What a client uploads") and trains its LoRA adapter
+on an NF4 copy made here.
 
 CPU pitfall (bitsandbytes 0.50, see NOTES): on CPUs with AVX512-BF16 a ``Linear4bit`` that
 once ran a forward pass in eval mode without gradients repacks its weight for a fast CPU

@@ -1,4 +1,4 @@
-"""MPU — multiple perturbed copies unlearning, server-side tensor core (SPEC §3).
+"""MPU — multiple perturbed copies unlearning, server-side tensor core (docs/algorithms.md, "MPU").
 
 Pure torch (no Flower). Per round r and forget client the server
 

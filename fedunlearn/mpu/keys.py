@@ -1,4 +1,5 @@
-"""Secret keys of MPU (SPEC §3): the server secret and the seeds derived from it.
+"""Secret keys of MPU: the server secret and the seeds derived from it (docs/algorithms.md,
+"Function-preserving reparameterisation").
 
 Every random choice the server makes for a round — the zero-sum noise ε⁰_k and the secret
 reparameterisation T_k of each copy k and layer ℓ — is drawn from a generator seeded with

@@ -1,4 +1,4 @@
-"""Zero-sum layer-wise noise of MPU (SPEC §3 step 1).
+"""Zero-sum layer-wise noise of MPU (docs/algorithms.md, "Zero-sum noise").
 
 For every decoder layer ℓ the server sets σ_ℓ = κ · RMS(v_ℓ), where v_ℓ is the concatenation of
 the layer's weights (or of its task vector θ − θ_reference), draws z_k,ℓ ~ N(0, σ_ℓ² I) for the
@@ -73,8 +73,8 @@ def layer_sigmas(
 
     v_ℓ is the concatenation of the layer's weights θ_ℓ, or of its task vector
     θ_ℓ − θ_reference,ℓ when ``reference`` (e.g. the pretrained weights) is given — the two
-    variants of SPEC §3. RMS(v) = √(Σ_t v(t)² / d_ℓ), accumulated in float64 (a float64 norm
-    of each tensor, read once without a float64 copy of the weights).
+    variants of docs/algorithms.md, "Zero-sum noise". RMS(v) = √(Σ_t v(t)² / d_ℓ), accumulated
+    in float64 (a float64 norm of each tensor, read once without a float64 copy of the weights).
     """
     if not math.isfinite(kappa) or kappa < 0:
         raise ValueError(f"kappa must be finite and >= 0, got {kappa}")
@@ -207,7 +207,8 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def alphas(m: int, low: float = 1.0, high: float = 2.0) -> list[float]:
-    """Distinct noise scales α_1..α_m linearly spaced in [low, high] (SPEC default [1, 2]).
+    """Distinct noise scales α_1..α_m linearly spaced in [low, high], by default [1, 2]
+    (docs/algorithms.md, "Zero-sum noise").
 
     For m = 1 (the single-copy "Noised" baseline) returns ``[low]``, i.e. ``[1.0]`` by default.
     """

@@ -1,4 +1,5 @@
-"""MPU's published copies, built one tensor at a time (SPEC §3 steps 1–2).
+"""MPU's published copies, built one tensor at a time (docs/algorithms.md, "Zero-sum noise",
+"Function-preserving reparameterisation").
 
 θ_pub,k = T_k(θ + α_k ε⁰_k) for k = 1..m. :func:`perturbed_copies` gives what
 ``apply_transform(noisy_copy(θ, zero_sum_noise(...)[k], α_k), T_k)`` gives (the same normals

@@ -1,4 +1,5 @@
-"""Secret, invertible, function-preserving reparameterisation T_k of MPU (SPEC §3 step 2).
+"""Secret, invertible, function-preserving reparameterisation T_k of MPU (docs/algorithms.md,
+"Function-preserving reparameterisation").
 
 For HF Llama-style decoders (``model.layers.<i>.self_attn.{q,k,v,o}_proj`` and
 ``mlp.{gate,up,down}_proj``, grouped-query attention, optional q/k/v/o and MLP biases; which

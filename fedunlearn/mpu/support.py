@@ -141,7 +141,7 @@ class UnsupportedArchitectureError(ValueError):
             f"MPU cannot reparameterise this {model_type!r} model without changing its outputs "
             f"(refused before any copy is published):\n  - {listed}\n"
             "Use mpu.mode=clean or noised (no reparameterisation), or an architecture listed "
-            "under 'Supported architectures' in docs/mpu.md."
+            'in docs/algorithms.md, "Supported architectures".'
         )
 
 

@@ -5,8 +5,8 @@ MINIMISES. Adding one is one new module with a ``@register_objective`` function,
 at the bottom of this file. ``objective_requirements(name)`` says which extra data a client
 must prepare for it (retain examples, refusal "alternate" answers, a frozen reference model).
 
-Registered (SPEC §6): ``nll``, ``ga``, ``graddiff``, ``npo``, ``simnpo``, ``dpo``, ``idk``,
-``rmu``, ``undial``, ``satimp``, ``kl``.
+Registered (docs/algorithms.md, "Local unlearning objectives"): ``nll``, ``ga``, ``graddiff``,
+``npo``, ``simnpo``, ``dpo``, ``idk``, ``rmu``, ``undial``, ``satimp``, ``kl``.
 """
 
 from __future__ import annotations

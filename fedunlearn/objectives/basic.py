@@ -1,7 +1,8 @@
 """NLL-based objectives: NLL (retain), GA, GradDiff, IDK and SatImp (forget).
 
-Notation (SPEC §6): ℓ = token NLL, ℓ_f on the forget batch, ℓ_r on a retain batch; the
-per-sequence loss is the mean over its labelled tokens and batches are averaged.
+Notation (docs/algorithms.md, "Local unlearning objectives"): ℓ = token NLL, ℓ_f on the forget
+batch, ℓ_r on a retain batch; the per-sequence loss is the mean over its labelled tokens and
+batches are averaged.
 """
 
 from __future__ import annotations

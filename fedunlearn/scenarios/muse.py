@@ -1,5 +1,6 @@
 """The MUSE scenario: forget clients hold the forget texts (and the QA the model was trained
-on about them), retain clients the retain texts and QA; GA by default (SPEC §5.3).
+on about them), retain clients the retain texts and QA; GA by default (docs/scenarios.md, "The
+three scenarios").
 
 Generated data: fictional books. Real files (``scenario.data-path``, a pretrained model): the
 CPU-sized :func:`~fedunlearn.benchmarks.muse_files.muse_subset` of the published lists
@@ -148,7 +149,8 @@ class MuseScenario(Scenario):
         max_new_tokens: int = 32,
         n_samples: int = 3,
     ) -> dict[str, Any]:
-        """SPEC §5.3; PrivLeak against the reference's own forget-vs-holdout AUC."""
+        """The muse metrics of docs/algorithms.md, "Evaluation metrics"; PrivLeak against the
+        reference's own forget-vs-holdout AUC."""
         retrain_auc = reference_metrics.get("privleak_auc") if reference_metrics else None
         return evaluate_muse(
             model,

@@ -174,8 +174,8 @@ def _tofu_data(
 @register_scenario("tofu")
 class TofuScenario(Scenario):
     """Fictitious authors (TOFU): forget the last ``scenario.forget-percent`` % of the authors
-    with GA; metrics of SPEC §5.1 (forget quality against the retain-only reference, model
-    utility)."""
+    with GA; the tofu metrics of docs/algorithms.md, "Evaluation metrics" (forget quality
+    against the retain-only reference, model utility)."""
 
     defaults = {
         "objective.name": "ga",
@@ -295,8 +295,9 @@ class TofuScenario(Scenario):
         n_samples: int = 3,
         splits: dict[str, list[dict]] | None = None,
     ) -> dict[str, Any]:
-        """SPEC §5.1 metrics. Forget quality needs the reference's forget truth ratios, so it
-        is only computed on the scenario's own forget split (not on custom ``splits``)."""
+        """The tofu metrics of docs/algorithms.md, "Evaluation metrics". Forget quality needs the
+        reference's forget truth ratios, so it is only computed on the scenario's own forget
+        split (not on custom ``splits``)."""
         reference_trs = (
             reference_metrics.get("forget_truth_ratios")
             if reference_metrics and splits is None
@@ -339,7 +340,8 @@ class TofuScenario(Scenario):
         reference_metrics: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """Min-K% (k = 0.4) membership AUC of forget vs never-trained holdout QA (prompt +
-        answer text) and PrivLeak relative to the reference's AUC (SPEC §5.3 on TOFU)."""
+        answer text) and PrivLeak relative to the reference's AUC (docs/algorithms.md,
+        "Evaluation metrics")."""
         holdout = self.holdout_records()
         if not holdout:
             return {"privleak_auc": None, "privleak": None}

@@ -1,7 +1,7 @@
 """The WMDP scenario (FIRM paper): three forget clients per hazard domain hold disjoint shards
 of that domain's documents and run RMU on a few MLP down-projections; one retain client holds
 a general-knowledge sample. Accuracy per domain should fall toward chance (25 %), general
-accuracy should stay (SPEC §5.2)."""
+accuracy should stay (docs/scenarios.md, "The three scenarios")."""
 
 from __future__ import annotations
 

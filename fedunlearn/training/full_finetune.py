@@ -1,7 +1,8 @@
 """Full fine-tuning of a client's copy: the adapted weights themselves move (no adapter).
 
-MPU (SPEC §3) lets a client fine-tune the copy it received in full or through LoRA. Here
-the weights named by the LoRA target/layer settings are trained directly with the role's
+A client fine-tunes the model (or, under MPU, the copy) it received in full or through LoRA
+(docs/algorithms.md, "Local training", "Client side, mapping back, harmonic aggregation").
+Here the weights named by the LoRA target/layer settings are trained directly with the role's
 objective and the task vector is θ_after − θ_received for exactly those weights, so uploads,
 Fisher diagonals and every merge look the same as with LoRA.
 """

@@ -65,7 +65,8 @@ def test_mpu_copies_never_equal_the_server_weights(tiny_model):
         for name, value in state.items():
             if ".layers." in name:  # every decoder-layer tensor is perturbed and hidden
                 assert not torch.equal(sent[name], value), (k, name)
-            else:  # embeddings, final norm, LM head are published as they are (SPEC §3)
+            else:  # embeddings, final norm, LM head: published as they are (docs/algorithms.md,
+                # "Zero-sum noise")
                 assert torch.equal(sent[name], value), (k, name)
     again = strategy.node_content(1, 0, ArrayRecord(state), ConfigRecord({}))
     assert torch.equal(  # keys derive from the secret: the same round gives the same copies

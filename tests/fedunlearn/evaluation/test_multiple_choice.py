@@ -1,4 +1,5 @@
-"""Tests for multiple-choice accuracy by length-normalised answer likelihood (SPEC §5.2)."""
+"""Tests for multiple-choice accuracy by length-normalised answer likelihood (docs/algorithms.md,
+"Evaluation metrics")."""
 
 from __future__ import annotations
 

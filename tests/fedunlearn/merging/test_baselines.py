@@ -1,4 +1,5 @@
-"""Tests for the baseline merges AVG, SUM, TIES (SPEC §2.1) and FULM / FULM-MEAN (SPEC §2.2)."""
+"""Tests for the baseline merges AVG, SUM, TIES and FULM / FULM-MEAN (docs/algorithms.md, "TIES,
+AVG and SUM", "FULM and FULM-mean")."""
 
 from __future__ import annotations
 

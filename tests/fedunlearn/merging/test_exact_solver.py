@@ -1,4 +1,5 @@
-"""Tests for the exact FIRM-QP solver and its KKT certificate (SPEC §2.4)."""
+"""Tests for the exact FIRM-QP solver and its KKT certificate (docs/algorithms.md, "FIRM
+retention-constrained projection")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Tests for the FIRM merge (SPEC §2.3/§2.4), the client-update types and the merge registry."""
+"""Tests for the FIRM merge (docs/algorithms.md, "FIRM base merge", "FIRM retention-constrained
+projection"), the client-update types and the merge registry."""
 
 from __future__ import annotations
 

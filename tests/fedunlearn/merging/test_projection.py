@@ -1,4 +1,5 @@
-"""Tests for the FIRM retention projection of one tensor (SPEC §2.4)."""
+"""Tests for the FIRM retention projection of one tensor (docs/algorithms.md, "FIRM
+retention-constrained projection")."""
 
 from __future__ import annotations
 

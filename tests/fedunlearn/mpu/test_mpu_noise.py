@@ -1,4 +1,4 @@
-"""MPU zero-sum layer noise (SPEC §3 step 1)."""
+"""MPU zero-sum layer noise (docs/algorithms.md, "Zero-sum noise")."""
 
 from __future__ import annotations
 

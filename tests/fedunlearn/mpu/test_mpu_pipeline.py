@@ -1,4 +1,5 @@
-"""MPU end to end on tensors: publish copies, invert updates, aggregate harmonically (SPEC §3)."""
+"""MPU end to end on tensors: publish copies, invert updates, aggregate harmonically
+(docs/algorithms.md, "MPU")."""
 
 from __future__ import annotations
 
@@ -127,8 +128,8 @@ def test_published_copies_hide_every_decoder_tensor() -> None:
     state, config = _state("qwen2")
     copies, groups = _publish(state, config, 2, kappa=0.01)
     perturbed = {n for names in groups.values() for n in names}
-    # embeddings, final norm and LM head are not perturbed by design (SPEC §3): they are
-    # published as they are and may equal the server's tensors.
+    # embeddings, final norm and LM head are not perturbed by design (docs/algorithms.md,
+    # "Zero-sum noise"): they are published as they are and may equal the server's tensors.
     unperturbed = set(state) - perturbed
     assert unperturbed == {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for published, _, _ in copies:

@@ -1,4 +1,6 @@
-"""One-pass publishing of MPU copies and mapping LoRA factors back (SPEC §3 steps 1–2, 4)."""
+"""One-pass publishing of MPU copies and mapping LoRA factors back (docs/algorithms.md, "Zero-sum
+noise", "Function-preserving reparameterisation", "Client side, mapping back, harmonic
+aggregation")."""
 
 from __future__ import annotations
 

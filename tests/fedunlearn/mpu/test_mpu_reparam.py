@@ -1,4 +1,5 @@
-"""Function preservation and invertibility of the MPU reparameterisation T (SPEC §3 step 2)."""
+"""Function preservation and invertibility of the MPU reparameterisation T (docs/algorithms.md,
+"Function-preserving reparameterisation")."""
 
 from __future__ import annotations
 
