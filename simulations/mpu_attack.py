@@ -2,7 +2,7 @@
 
     python -m simulations.mpu_attack [--model builtin|smollm2-135m] [--kappas 0.001,0.01,0.05]
         [--copies 2,3,4] [--defenses none,shared-noise,...] [--shared-kappas 0.01]
-        [--run-config "..."] [--output-dir DIR]
+        [--run-config "..."] [--run-defaults] [--output-dir DIR]
 
 The server's model θ is the run's model (``--model builtin``: the tofu substrate of the run
 config; ``smollm2-135m``: the registry's SmolLM2-135M-Instruct). For every cell (κ, m, KV-group
@@ -30,11 +30,13 @@ which of the two aligned estimates is closer to θ (that needs θ), so the best 
 the attacker's own choice needs no θ: the harmonic mean where the α_k are the public grid, the
 minimum-norm combination under ``secret-scales`` (``attacker_estimate``, ``leak_ratio``).
 The ``shared-noise`` defense runs once per ``--shared-kappas`` value κ_η (σ_η = κ_η·RMS of the
-layer, what ``mpu.shared-kappa`` sets in a run). What a defense costs the
-server is measured on the same copies as ``denoise_error``: one full-gradient step of the NLL
-on forget QA taken on every copy, mapped back exactly and aggregated harmonically as the server
-does, against the same step taken on θ, ‖Δ̄ − Δ_θ‖ / ‖Δ_θ‖ (a one-step proxy for a client's
-update; the utility and forgetting of full runs are in the MPU study). Writes
+layer, what ``mpu.shared-kappa`` sets in a run). ``--run-defaults`` replaces the grid by the
+one cell a run with ``--run-config`` publishes (its κ, m and κ_η; by default κ_η = κ). What a
+defense costs the server is measured on the same copies as ``denoise_error``: one
+full-gradient step of the NLL on forget QA taken on every copy, mapped back exactly and
+aggregated harmonically as the server does, against the same step taken on θ,
+‖Δ̄ − Δ_θ‖ / ‖Δ_θ‖ (a one-step proxy for a client's update; the utility and forgetting of full
+runs are in the MPU study). Writes
 ``mpu_attack.json``, ``mpu_attack.md`` and ``mpu_attack.png`` into the output folder.
 """
 
@@ -561,6 +563,24 @@ def study(cfg: AttackConfig, output_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def run_defaults(cfg: AttackConfig) -> AttackConfig:
+    """``cfg`` reduced to the copies a run with ``cfg.run_config`` publishes: its
+    ``mpu.kappa``, ``mpu.copies`` and ``mpu.shared-kappa`` as resolved (-1: κ_η = κ), as the
+    ``shared-noise`` cell (or ``none``, both permutation settings, where κ_η = 0)."""
+    from simulations.run_local import parse_config_pairs, run_settings
+
+    mpu = run_settings(parse_config_pairs(cfg.run_config)).mpu
+    eta = mpu.shared_noise_kappa()
+    return dataclasses.replace(
+        cfg,
+        kappas=(mpu.kappa,),
+        copies=(mpu.copies,),
+        defense_copies=(mpu.copies,),
+        defenses=("shared-noise",) if eta > 0 else ("none",),
+        shared_kappas=(eta,),
+    )
+
+
 def _floats(text: str) -> tuple[float, ...]:
     return tuple(float(v) for v in text.split(",") if v)
 
@@ -583,6 +603,12 @@ def main(argv: list[str] | None = None) -> int:
         default=defaults.shared_kappas,
         help="κ_η values of the shared-noise defense (σ_η = κ_η·RMS of the layer)",
     )
+    parser.add_argument(
+        "--run-defaults",
+        action="store_true",
+        help="attack only the copies the --run-config run publishes (its mpu.kappa, "
+        "mpu.copies, mpu.shared-kappa); replaces the grid",
+    )
     parser.add_argument("--texts", type=int, default=defaults.texts)
     parser.add_argument("--no-evaluate", action="store_true", help="skip the scenario metrics")
     parser.add_argument("--run-config", default="", help="builtin: run-config overrides")
@@ -601,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         run_config=args.run_config,
         cache_dir=args.cache_dir,
     )
+    if args.run_defaults:
+        cfg = run_defaults(cfg)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = Path(args.output_dir or REPO_ROOT / "outputs" / "mpu_attack" / stamp)
     summary = study(cfg, output_dir)

@@ -228,6 +228,7 @@ def run_study(cfg: StudyConfig) -> dict[str, Any]:
             secret=SECRET,
             copies=cfg.copies,
             kappa=cfg.kappa,
+            shared_kappa=0.0,  # the mapping's own error, without the default's shared noise
             assignments=[ClientAssignment(r, "d", (i,)) for i, r in enumerate(roles)],
         )
         strategy.node_assignment = {100 + i: a for i, a in enumerate(strategy.assignments)}

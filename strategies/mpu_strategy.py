@@ -50,7 +50,15 @@ from fedunlearn.mpu import (
     published_tensors,
     sigma_per_tensor,
 )
-from fedunlearn.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, OneOf, option, option_group
+from fedunlearn.options import (
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    Number,
+    OneOf,
+    option,
+    option_group,
+)
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
@@ -67,6 +75,20 @@ from wire.delivery import (
 )
 
 MPU_MODES = ("mpu", "clean", "noised")
+#: ``mpu.shared-kappa`` = -1: κ_η = κ in ``mpu`` mode. A client aligning its copies ends with
+#: θ + η, one copy is θ + η + α_1·ε⁰_1 in secret coordinates, so with κ_η = κ the aligned
+#: estimate is about as far from θ as one copy (docs/mpu.md, "Threat model").
+SHARED_KAPPA_AUTO = -1.0
+
+
+def resolve_shared_kappa(shared_kappa: float, mode: str, kappa: float) -> float:
+    """κ_η for ``shared_kappa`` as given: -1 stands for ``kappa`` in ``mpu`` mode and for 0 in
+    the one-copy baselines (nothing to share); any other value is returned as it is."""
+    if shared_kappa != SHARED_KAPPA_AUTO:
+        return shared_kappa
+    return kappa if mode == "mpu" else 0.0
+
+
 #: ``mpu.publish``: fresh copies for every client, or one set of copies for the whole round.
 MPU_PUBLISH = ("per-client", "per-round")
 MPU_SIGMA_SOURCES = ("weights", "task-vector")
@@ -92,11 +114,18 @@ class MpuOptions:
     kappa: float = option(0.01, "noise scale κ (σ = κ·RMS of the layer)", NON_NEGATIVE)
     permute_groups: bool = option(True, "also permute the KV groups")
     shared_kappa: float = option(
-        0.0,
+        SHARED_KAPPA_AUTO,
         "κ_η of a noise common to a client's m copies, which aligning the copies cannot "
-        "average away; 0 = none (with a warning)",
-        NON_NEGATIVE,
+        "average away; -1 = mpu.kappa in mpu mode (the default), 0 = none: the method as "
+        "published, with a warning",
+        Number(low=0, special=((SHARED_KAPPA_AUTO, "mpu.kappa in mpu mode, else 0"),)),
     )
+
+    def shared_noise_kappa(self) -> float:
+        """κ_η the strategy runs with: ``shared-kappa``, or for -1 ``kappa`` in ``mpu`` mode
+        and 0 in the one-copy baselines."""
+        return resolve_shared_kappa(self.shared_kappa, self.mode, self.kappa)
+
     secret: str = option("", "refused: a secret in the run config leaks (use secret-file)")
     secret_file: str = option(
         "",
@@ -144,11 +173,12 @@ class MpuStrategy(MergeStrategy):
         (what that changes: the module docstring).
     kappa : float (default: 0.01)
         κ in σ_ℓ = κ·RMS(layer ℓ's weights).
-    shared_kappa : float (default: 0.0)
+    shared_kappa : float (default: -1.0)
         κ_η of a noise η (σ = κ_η·RMS(layer ℓ)) common to all m copies of a client,
         T_k(θ + η + α_k ε⁰_k): what a client that aligns its copies cannot average away, and
-        what the server's harmonic aggregate does not cancel either (``mpu`` only; 0 = none,
-        the method as published — with a warning, see the MPU threat model in the docs).
+        what the server's harmonic aggregate does not cancel either (``mpu`` only). -1 (the
+        default) = ``kappa`` in ``mpu`` mode, 0 in ``clean`` / ``noised``; 0 = none, the
+        method as published — with a warning, see the MPU threat model in the docs.
     permute_groups : bool (default: True)
         Also permute whole KV groups (the paper's extra step the reference code omits).
     sigma_reference : Mapping[str, torch.Tensor] | None (default: None)
@@ -166,7 +196,7 @@ class MpuStrategy(MergeStrategy):
         publish: str = "per-client",
         kappa: float = 0.01,
         permute_groups: bool = True,
-        shared_kappa: float = 0.0,
+        shared_kappa: float = SHARED_KAPPA_AUTO,
         sigma_reference: Mapping[str, torch.Tensor] | None = None,
         **kwargs: Any,
     ) -> None:
@@ -177,6 +207,7 @@ class MpuStrategy(MergeStrategy):
             raise ValueError(f"MPU needs mpu.copies >= 2 (zero-sum noise), got {copies}")
         if kappa < 0:
             raise ValueError(f"mpu.kappa must be >= 0, got {kappa}")
+        shared_kappa = resolve_shared_kappa(shared_kappa, mode, kappa)
         if not math.isfinite(shared_kappa) or shared_kappa < 0:
             raise ValueError(f"mpu.shared-kappa must be finite and >= 0, got {shared_kappa}")
         if shared_kappa > 0 and mode != "mpu":

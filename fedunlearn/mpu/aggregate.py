@@ -28,6 +28,7 @@ from torch import Tensor
 from fedunlearn.upload_codec import decode_tensor, group_parts
 
 from .reparam import LayerTransform, invert_delta, invert_fisher
+from .uploads import map_back
 
 __all__ = ["HarmonicAggregator", "HarmonicUpload", "UploadParts", "plain_mean"]
 
@@ -139,12 +140,20 @@ class UploadParts:
         """The weights, in upload order."""
         return list(self.groups)
 
-    def decode(self, key: str) -> Tensor:
-        """Weight ``key``'s dense tensor (``UploadFormatError`` if its parts do not decode)."""
+    def decode(self, key: str, transform: Mapping[int, LayerTransform] | None = None) -> Tensor:
+        """Weight ``key``'s dense tensor (``UploadFormatError`` if its parts do not decode);
+        with ``transform`` T, a task vector's T⁻¹ — LoRA factors are mapped before they are
+        multiplied out (:func:`.uploads.map_back`: r·(d_in + d_out) numbers instead of
+        d_in·d_out), dense parts as :func:`.reparam.invert_delta` maps them."""
         form, names = self.groups[key]
         parts = {part: self._get_part(name) for part, name in names.items()}
         shape = None if self._shapes is None else self._shapes.get(key)
-        return decode_tensor(key, form, parts, shape)
+        if transform is None:
+            return decode_tensor(key, form, parts, shape)
+        if form == "factors":
+            mapped = map_back({names[p]: t for p, t in parts.items()}, transform)
+            return decode_tensor(key, form, {p: mapped[n] for p, n in names.items()}, shape)
+        return invert_delta({key: decode_tensor(key, form, parts, shape)}, transform)[key]
 
 
 class HarmonicUpload(Mapping[str, Tensor]):
@@ -183,11 +192,11 @@ class HarmonicUpload(Mapping[str, Tensor]):
 
     def _mapped(self, key: str, k: int) -> Tensor:
         """Copy k's weight ``key`` in the server's coordinates."""
-        tensor = self.copies[k].decode(key)
         if self.transforms is None:
-            return tensor
-        invert = invert_fisher if self.fisher else invert_delta
-        return invert({key: tensor}, self.transforms[k])[key]
+            return self.copies[k].decode(key)
+        if not self.fisher:
+            return self.copies[k].decode(key, self.transforms[k])
+        return invert_fisher({key: self.copies[k].decode(key)}, self.transforms[k])[key]
 
     def _compute(self, key: str) -> Tensor:
         if self.fisher:

@@ -31,6 +31,7 @@ def test_top_alpha_uploads_are_exact_alone_but_not_under_mpu(tiny_model, tiny_to
         model_config=tiny_model.config,
         secret=b"fisher-upload-test",
         kappa=0.05,
+        shared_kappa=0.0,  # the mapping's own error, without the default's shared noise
         assignments=[ClientAssignment(r, "d", (i,)) for i, r in enumerate(roles)],
     )
     strategy.node_assignment = {1: strategy.assignments[0], 2: strategy.assignments[1]}

@@ -11,6 +11,7 @@ from fedunlearn.mpu import (
     invert_fisher,
     layer_groups,
     layer_sigmas,
+    map_back,
     noisy_copy,
     perturbed_copies,
     sigma_per_tensor,
@@ -20,6 +21,7 @@ from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vec
 from strategies.mpu_strategy import MPU_PUBLISH, CopySpool, MpuStrategy
 from strategies.node_roles import NodeDeclaration
 from strategies.reply_validation import ReplyRejected
+from strategies.settings import RunConfigError, RunSettings
 from strategies.upload_spool import UploadSpool
 from wire.delivery import (
     BASE_SHA_KEY,
@@ -36,6 +38,9 @@ NODE = 17
 
 
 def _strategy(model, mode, copies=2, **kwargs):
+    # the method as published unless a test asks for shared noise: the tests check its
+    # zero-sum cancellation, which the default's shared noise η adds to
+    kwargs.setdefault("shared_kappa", 0.0)
     strategy = MpuStrategy(
         merge="sum",
         model_config=model.config,
@@ -170,6 +175,7 @@ def test_per_round_sends_one_set_of_copies_to_every_client(tiny_model):
         secret=b"server-secret-for-tests",
         copies=2,
         kappa=0.05,
+        shared_kappa=0.0,  # the published method: its noise cancels exactly (checked below)
         publish="per-round",
         assignments=assignments,
     )
@@ -258,6 +264,27 @@ def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(ti
         )
 
 
+def test_the_default_shares_noise_of_the_copies_scale(tiny_model):
+    """Left on its default (-1), shared-kappa is κ in mpu mode (no alignment warning) and 0 in
+    the one-copy baselines, which take it without an error; the run config resolves it the same
+    way."""
+    kwargs = {"merge": "sum", "model_config": tiny_model.config, "secret": b"s"}
+    assignments = [ClientAssignment("forget", "d", (0,))]
+    default = MpuStrategy(kappa=0.03, assignments=assignments, **kwargs)
+    assert default.shared_kappa == 0.03
+    assert not any("aligns its m copies" in w for w in default.report()["warnings"])
+    for mode in ("clean", "noised"):
+        assert MpuStrategy(mode=mode, assignments=assignments, **kwargs).shared_kappa == 0.0
+    settings = RunSettings.from_run_config({"mpu.kappa": 0.02})
+    assert settings.mpu.shared_kappa == -1.0 and settings.mpu.shared_noise_kappa() == 0.02
+    published = RunSettings.from_run_config({"mpu.shared-kappa": 0.0})
+    assert published.mpu.shared_noise_kappa() == 0.0
+    clean = RunSettings.from_run_config({"mpu.mode": "clean"})
+    assert clean.mpu.shared_noise_kappa() == 0.0
+    with pytest.raises(RunConfigError, match="mpu.shared-kappa"):
+        RunSettings.from_run_config({"mpu.shared-kappa": -0.5})
+
+
 def _old_copies(strategy, state, server_round=1, position=0):
     """The copies as the strategy built them from a whole state dict before it streamed them
     (σ from the state, the noise generator of the same key, every copy at once)."""
@@ -320,13 +347,20 @@ def _compact_reply(content, names, copies, rank=3):
     return reply
 
 
-def _old_map_back(strategy, reply, shapes, server_round=1, position=0):
+def _old_map_back(strategy, reply, shapes, server_round=1, position=0, on_factors=True):
     """The update as the strategy formed it before it mapped back one weight at a time: every
-    copy's whole task vector and Fisher mapped back, S₁ and ΣF in float64 over all weights."""
+    copy's whole task vector and Fisher mapped back, S₁ and ΣF in float64 over all weights;
+    ``on_factors``: LoRA factors mapped before they are multiplied out (``map_back``), else the
+    dense products mapped."""
     aggregator, fisher_sum = HarmonicAggregator(out_dtype=torch.float32), None
     for k, alpha in enumerate(strategy.alphas):
         transforms = strategy.copy_transforms(server_round, position, k)
-        delta = invert_delta(decoded_arrays(reply[f"task_vector-{k}"], shapes), transforms)
+        record = reply[f"task_vector-{k}"]
+        if on_factors:
+            record = ArrayRecord(map_back(record.to_torch_state_dict(), transforms))
+            delta = decoded_arrays(record, shapes)
+        else:
+            delta = invert_delta(decoded_arrays(record, shapes), transforms)
         fisher = invert_fisher(decoded_arrays(reply[f"fisher-{k}"], shapes), transforms)
         aggregator.add(delta, alpha)
         if fisher_sum is None:
@@ -351,7 +385,10 @@ def test_replies_map_back_one_weight_at_a_time_bit_for_bit(tiny_model, tmp_path,
     content = strategy.node_content(1, 0, arrays, ConfigRecord())
     names = [n for n in state if n.endswith("_proj.weight")]
     reply = _compact_reply(content, names, 3)
-    expected_tv, expected_fisher = _old_map_back(strategy, reply, strategy.reply_spec(NODE).shapes)
+    shapes = strategy.reply_spec(NODE).shapes
+    expected_tv, expected_fisher = _old_map_back(strategy, reply, shapes)
+    # the factors mapped before they are multiplied out: the dense products' inverse to rounding
+    dense_tv, _ = _old_map_back(strategy, reply, shapes, on_factors=False)
     update, fields = strategy.decode_reply(1, NODE, reply)
     assert fields["mpu_copies"] == 3
     if stream:
@@ -368,6 +405,7 @@ def test_replies_map_back_one_weight_at_a_time_bit_for_bit(tiny_model, tmp_path,
     assert list(update.task_vector) == names and list(update.fisher) == names
     for n in names:
         assert torch.equal(update.task_vector[n], expected_tv[n]), n
+        assert torch.allclose(update.task_vector[n], dense_tv[n], rtol=1e-5, atol=1e-7), n
         assert torch.equal(update.fisher[n], expected_fisher[n]), n
     assert strategy.report()["server_seconds"]["map_back"] > 0
     if stream:
