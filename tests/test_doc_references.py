@@ -3,8 +3,9 @@
 Code, tests and docs point to the documentation as ``docs/<page>.md, "<heading>"``; more
 headings of the same page follow as ``, "<heading>"`` (``docs/algorithms.md, "FIRM base
 merge", "FIRM retention-constrained projection"``). A reference may wrap onto the next line of
-a docstring or a comment. Headings are matched exactly (any level, outside code blocks), so a
-renamed or removed heading fails here until its references follow.
+a docstring or a comment. Headings are matched exactly (any level, outside code blocks), or by
+their part before a colon (``"Threat model"`` for "Threat model: what the copies hide, and from
+whom"), so a renamed or removed heading fails here until its references follow.
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def project_files() -> list[Path]:
 
 
 def headings(page: Path) -> set[str]:
-    """The text of every Markdown heading of ``page`` outside fenced code blocks."""
+    """The text of every Markdown heading of ``page`` outside fenced code blocks, and of a
+    heading with a colon also its part before the colon."""
     found, fenced = set(), False
     for line in page.read_text(encoding="utf-8").splitlines():
         if FENCE.match(line):
             fenced = not fenced
         elif not fenced and (match := HEADING.match(line)):
-            found.add(" ".join(match.group(1).split()))
+            text = " ".join(match.group(1).split())
+            found |= {text, text.split(": ", 1)[0]}
     return found
 
 
@@ -70,6 +73,12 @@ def test_references_are_read_across_wrapped_lines() -> None:
     text = 'x (docs/algorithms.md, "FIRM\n    # base merge", "MPU").\n'
     assert references(text) == [("algorithms.md", "FIRM base merge"), ("algorithms.md", "MPU")]
     assert references('see docs/mpu.md for more, and "this"') == []
+
+
+def test_a_heading_is_named_in_full_or_by_its_part_before_a_colon(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("# Title\n\n## Threat model: what it hides\n\n```\n# not a heading\n```\n")
+    assert headings(page) == {"Title", "Threat model: what it hides", "Threat model"}
 
 
 def test_every_referenced_page_and_heading_exists() -> None:
