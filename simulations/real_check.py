@@ -1,4 +1,4 @@
-"""Smoke check of the whole stack on the REAL pretrained model SmolLM2-135M-Instruct.
+"""Smoke test of the whole stack on the REAL pretrained model SmolLM2-135M (not a quality test).
 
     python -m simulations.real_check [--cuda] [--output-dir DIR]
 
@@ -31,6 +31,11 @@ Three stages, each timed; the last line printed is ``real-check: ok (...)`` (exi
    NLL (``answer_nll``, chat template) of the forget author's 20 QA rose by at least
    ``MIN_FORGET_RISE`` nats, and that of the retain author's 20 QA did not rise by
    more than ``RETAIN_TOLERANCE`` nats.
+
+A smoke test, not evidence of how well anything unlearns: the learning rates and γ of
+:data:`RUN_CONFIG` were chosen (on a small offline grid) on the same two authors the check then
+scores, so passing says that this one round moved these two authors the right way, nothing
+about other authors, models or settings.
 
 ``--cuda`` (used by ``simulations.gpu_check --real``) runs stages 1–2 on the GPU in float32
 and the Flower round with ``model.dtype=auto`` (bfloat16 server and clients on CUDA); the NLLs are
@@ -310,7 +315,11 @@ def report_stage(stage: StageResult, report: Callable[[str], None]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Command line: run the check, print the stages and the ``real-check:`` line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="A smoke test: its hyper-parameters were chosen on the same two TOFU authors it "
+        "scores, so passing shows the stack runs on a real model, not unlearning quality.",
+    )
     parser.add_argument("--cuda", action="store_true", help="run on the CUDA device")
     parser.add_argument("--output-dir", type=Path, default=None, help="default outputs/real-check")
     parser.add_argument(

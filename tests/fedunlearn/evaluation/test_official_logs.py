@@ -1,8 +1,8 @@
 """The TOFU metric code against the benchmark authors' own per-question logs (model-free).
 
-``expected_aggregates_llama2.json`` holds the aggregates the official formulas give on the
-published llama2-7b logs; feeding the same per-question numbers through
-:func:`aggregate_official_logs` must reproduce every one of them.
+``expected_aggregates_llama2.json`` holds aggregates this project computed from the published
+llama2-7b per-question logs with the TOFU authors' published formulas; feeding the same
+per-question numbers through :func:`aggregate_official_logs` must reproduce every one of them.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def _as_project_keys(official: dict[str, Any]) -> dict[str, float]:
 
 
 @pytest.mark.parametrize("model", LLAMA2_MODELS)
-def test_aggregates_reproduce_the_official_numbers(
+def test_aggregates_reproduce_the_expected_numbers(
     model: str, expected: dict[str, dict[str, Any]]
 ) -> None:
     official = expected[model]
