@@ -164,7 +164,7 @@ class DomainSpec:
     attributes: tuple[Attribute, ...]
 
 
-DOMAIN_SPECS: dict[str, DomainSpec] = {
+DOMAIN_DEFINITIONS: dict[str, DomainSpec] = {
     "bio": DomainSpec(
         "bio",
         kinds=("spore", "mould", "bloom", "lichen", "moss"),
@@ -496,7 +496,7 @@ def _documents(
 def _domain_data(
     seed: int, domain: str, num_entities: int, documents_per_entity: int
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    spec = DOMAIN_SPECS[domain]
+    spec = DOMAIN_DEFINITIONS[domain]
     rng = random.Random(f"wmdp-{seed}-{domain}")
     entities = _new_entities(rng, spec, _ONSETS[domain], num_entities, set())
     questions: list[dict[str, Any]] = []
@@ -640,7 +640,7 @@ def generate_wmdp_background(seed: int = 0, num_documents: int = 2000) -> list[s
     used: set[str] = set()
     docs = []
     for _ in range(num_documents):
-        spec = DOMAIN_SPECS[rng.choice(all_domains)]
+        spec = DOMAIN_DEFINITIONS[rng.choice(all_domains)]
         ((name, facts),) = _new_entities(rng, spec, _BACKGROUND_ONSETS, 1, used)
         sentences = [_render(rng.choice(spec.intros), name)] if rng.random() < 0.5 else []
         for attribute in rng.sample(spec.attributes, rng.randint(3, 5)):

@@ -56,7 +56,7 @@ from transformers import (
 
 C_MIN = -5.2093
 C_MAX = 20.3048
-SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+RESERVED_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _LOGIT_BUDGET = 1 << 23  # max batch x length x vocab logits held at once while rewriting
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 _WORD_CHAR = re.compile(r"\w")
@@ -135,7 +135,7 @@ def train_word_tokenizer(
     trainer = trainers.WordLevelTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(RESERVED_TOKENS),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -165,7 +165,7 @@ def _mask_batch(
         special |= ids == sid
     picked = (torch.rand(ids.shape, generator=gen) < prob) & ~special
     roll = torch.rand(ids.shape, generator=gen)
-    random_ids = torch.randint(len(SPECIAL_TOKENS), len(tokenizer), ids.shape, generator=gen)
+    random_ids = torch.randint(len(RESERVED_TOKENS), len(tokenizer), ids.shape, generator=gen)
     corrupted = ids.clone()
     corrupted[picked & (roll < 0.8)] = tokenizer.mask_token_id
     swap = picked & (roll >= 0.8) & (roll < 0.9)

@@ -41,7 +41,7 @@ class ObjectiveSpec:
     needs_reference: bool = False
 
 
-_SPECS: dict[str, ObjectiveSpec] = {}
+_REQUIREMENTS: dict[str, ObjectiveSpec] = {}
 
 
 @dataclass
@@ -88,7 +88,7 @@ def register_objective(
 
     def decorator(fn: ObjectiveFn) -> ObjectiveFn:
         OBJECTIVES.add(name, fn)
-        _SPECS[name] = ObjectiveSpec(
+        _REQUIREMENTS[name] = ObjectiveSpec(
             needs_retain=needs_retain,
             needs_alternate=needs_alternate,
             needs_reference=needs_reference,
@@ -106,7 +106,7 @@ def get_objective(name: str) -> ObjectiveFn:
 def objective_requirements(name: str) -> ObjectiveSpec:
     """The data requirements of the objective registered under ``name``."""
     OBJECTIVES[name]  # an unknown name raises the registry's KeyError
-    return _SPECS[name]
+    return _REQUIREMENTS[name]
 
 
 def reference_outputs(

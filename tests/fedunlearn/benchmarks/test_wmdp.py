@@ -12,7 +12,7 @@ import torch
 import fedunlearn.benchmarks.wmdp  # noqa: F401  (registers "wmdp")
 from fedunlearn.benchmarks import get_benchmark
 from fedunlearn.benchmarks.wmdp import (
-    DOMAIN_SPECS,
+    DOMAIN_DEFINITIONS,
     GENERAL,
     HAZARD_DOMAINS,
     NUM_CHOICES,
@@ -46,8 +46,8 @@ def test_registered_under_wmdp() -> None:
 
 
 def test_every_domain_has_five_attributes_with_big_enough_pools() -> None:
-    assert set(DOMAIN_SPECS) == {*HAZARD_DOMAINS, GENERAL}
-    for spec in DOMAIN_SPECS.values():
+    assert set(DOMAIN_DEFINITIONS) == {*HAZARD_DOMAINS, GENERAL}
+    for spec in DOMAIN_DEFINITIONS.values():
         assert len(spec.attributes) == ATTRIBUTES
         for attribute in spec.attributes:
             assert len(set(attribute.pool)) == len(attribute.pool) >= 7
