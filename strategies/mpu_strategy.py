@@ -1,4 +1,5 @@
-"""MPU as a Flower strategy: clients unlearn perturbed, reparameterised copies (SPEC §3).
+"""MPU as a Flower strategy: clients unlearn perturbed, reparameterised copies
+(docs/algorithms.md, "MPU").
 
 Per round and client the server publishes m copies θ_pub,k = T_k(θ + α_k ε⁰_k) and never
 the exact weights; the client runs its objective (LoRA) on every copy and returns each
@@ -183,7 +184,7 @@ class MpuStrategy(MergeStrategy):
         Also permute whole KV groups (the paper's extra step the reference code omits).
     sigma_reference : Mapping[str, torch.Tensor] | None (default: None)
         θ_pretrained: when given, σ_ℓ = κ·RMS(θ_ℓ − θ_pretrained,ℓ) (the task-vector variant of
-        SPEC §3, as in the reference code) instead of κ·RMS(θ_ℓ).
+        docs/algorithms.md, "Zero-sum noise", as in the reference code) instead of κ·RMS(θ_ℓ).
     """
 
     def __init__(

@@ -1,4 +1,5 @@
-"""Harmonic denoising aggregation of MPU (SPEC §3 step 4).
+"""Harmonic denoising aggregation of MPU (docs/algorithms.md, "Client side, mapping back,
+harmonic aggregation").
 
 Copy k returns an update which the server maps back, Δ̂_k = T_k⁻¹(Δ_k). To first order
 Δ̂_k ≈ Δ*(θ) + J·α_k ε⁰_k, and since Σ_k ε⁰_k = 0, the weights w_k ∝ α_k⁻¹ cancel the noise term

@@ -1,4 +1,5 @@
-"""Mapping a task-vector upload back from copy k's coordinates as it travels (SPEC §3 step 4).
+"""Mapping a task-vector upload back from copy k's coordinates as it travels
+(docs/algorithms.md, "Client side, mapping back, harmonic aggregation").
 
 A client's task vector arrives as the flat parts of :mod:`fedunlearn.upload_codec`: a dense
 ``<key>``, or a LoRA adapter's ``<key>::lora_B`` (d_out × r), ``<key>::lora_A`` (r × d_in) and
