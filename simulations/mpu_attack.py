@@ -31,7 +31,7 @@ the attacker's own choice needs no θ: the harmonic mean where the α_k are the 
 minimum-norm combination under ``secret-scales`` (``attacker_estimate``, ``leak_ratio``).
 The ``shared-noise`` defense runs once per ``--shared-kappas`` value κ_η (σ_η = κ_η·RMS of the
 layer, what ``mpu.shared-kappa`` sets in a run). ``--run-defaults`` replaces the grid by the
-one cell a run with ``--run-config`` publishes (its κ, m and κ_η; by default κ_η = κ). What a
+one cell a run with ``--run-config`` publishes (its κ, m and κ_η; by default κ_η = 1.5·κ). What a
 defense costs the server is measured on the same copies as ``denoise_error``: one
 full-gradient step of the NLL on forget QA taken on every copy, mapped back exactly and
 aggregated harmonically as the server does, against the same step taken on θ,
@@ -565,7 +565,7 @@ def study(cfg: AttackConfig, output_dir: Path) -> dict[str, Any]:
 
 def run_defaults(cfg: AttackConfig) -> AttackConfig:
     """``cfg`` reduced to the copies a run with ``cfg.run_config`` publishes: its
-    ``mpu.kappa``, ``mpu.copies`` and ``mpu.shared-kappa`` as resolved (-1: κ_η = κ), as the
+    ``mpu.kappa``, ``mpu.copies`` and ``mpu.shared-kappa`` as resolved (-1: κ_η = 1.5·κ), as the
     ``shared-noise`` cell (or ``none``, both permutation settings, where κ_η = 0)."""
     from simulations.run_local import parse_config_pairs, run_settings
 

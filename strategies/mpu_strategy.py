@@ -76,18 +76,20 @@ from wire.delivery import (
 )
 
 MPU_MODES = ("mpu", "clean", "noised")
-#: ``mpu.shared-kappa`` = -1: κ_η = κ in ``mpu`` mode. A client aligning its copies ends with
-#: θ + η, one copy is θ + η + α_1·ε⁰_1 in secret coordinates, so with κ_η = κ the aligned
-#: estimate is about as far from θ as one copy (docs/mpu.md, "Threat model").
+#: ``mpu.shared-kappa`` = -1: κ_η = SHARED_KAPPA_FACTOR·κ in ``mpu`` mode. A client aligning its
+#: copies ends with θ + η, one copy is θ + η + α_1·ε⁰_1 in secret coordinates: one copy is
+#: √(1 + (α_1·κ/κ_η)²) times as far from θ, 1.20 at κ_η = 1.5·κ (measured by logits at
+#: κ = 0.01: 1.03–1.41 for m = 2–4, against 1.5–1.8 at κ_η = κ; docs/mpu.md, "Threat model").
 SHARED_KAPPA_AUTO = -1.0
+SHARED_KAPPA_FACTOR = 1.5
 
 
 def resolve_shared_kappa(shared_kappa: float, mode: str, kappa: float) -> float:
-    """κ_η for ``shared_kappa`` as given: -1 stands for ``kappa`` in ``mpu`` mode and for 0 in
-    the one-copy baselines (nothing to share); any other value is returned as it is."""
+    """κ_η for ``shared_kappa`` as given: -1 stands for 1.5·``kappa`` in ``mpu`` mode and for 0
+    in the one-copy baselines (nothing to share); any other value is returned as it is."""
     if shared_kappa != SHARED_KAPPA_AUTO:
         return shared_kappa
-    return kappa if mode == "mpu" else 0.0
+    return SHARED_KAPPA_FACTOR * kappa if mode == "mpu" else 0.0
 
 
 #: ``mpu.publish``: fresh copies for every client, or one set of copies for the whole round.
@@ -117,14 +119,14 @@ class MpuOptions:
     shared_kappa: float = option(
         SHARED_KAPPA_AUTO,
         "κ_η of a noise common to a client's m copies, which aligning the copies cannot "
-        "average away; -1 = mpu.kappa in mpu mode (the default), 0 = none: the method as "
-        "published, with a warning",
-        Number(low=0, special=((SHARED_KAPPA_AUTO, "mpu.kappa in mpu mode, else 0"),)),
+        "average away; -1 = 1.5 × mpu.kappa in mpu mode (the default), 0 = none: the method "
+        "as published, with a warning",
+        Number(low=0, special=((SHARED_KAPPA_AUTO, "1.5 × mpu.kappa in mpu mode, else 0"),)),
     )
 
     def shared_noise_kappa(self) -> float:
-        """κ_η the strategy runs with: ``shared-kappa``, or for -1 ``kappa`` in ``mpu`` mode
-        and 0 in the one-copy baselines."""
+        """κ_η the strategy runs with: ``shared-kappa``, or for -1 1.5·``kappa`` in ``mpu``
+        mode and 0 in the one-copy baselines."""
         return resolve_shared_kappa(self.shared_kappa, self.mode, self.kappa)
 
     secret: str = option("", "refused: a secret in the run config leaks (use secret-file)")
@@ -178,7 +180,7 @@ class MpuStrategy(MergeStrategy):
         κ_η of a noise η (σ = κ_η·RMS(layer ℓ)) common to all m copies of a client,
         T_k(θ + η + α_k ε⁰_k): what a client that aligns its copies cannot average away, and
         what the server's harmonic aggregate does not cancel either (``mpu`` only). -1 (the
-        default) = ``kappa`` in ``mpu`` mode, 0 in ``clean`` / ``noised``; 0 = none, the
+        default) = 1.5·``kappa`` in ``mpu`` mode, 0 in ``clean`` / ``noised``; 0 = none, the
         method as published — with a warning, see the MPU threat model in the docs.
     permute_groups : bool (default: True)
         Also permute whole KV groups (the paper's extra step the reference code omits).

@@ -79,7 +79,7 @@ def test_study_measures_the_leak_and_the_defenses(tmp_path, substrate_cache) -> 
 
 
 def test_a_default_runs_copies_aligned_are_no_closer_than_one_copy(tmp_path, substrate_cache):
-    """The run's defaults (κ = 0.01, m = 2, shared-kappa left at -1: κ_η = κ): a client that
+    """The run's defaults (κ = 0.01, m = 2, shared-kappa left at -1: κ_η = 1.5 κ): a client that
     aligns its copies ends within 1.5× of one copy's distance to θ, by the estimate it would
     use and even by the better of the two (which needs θ to pick)."""
     out = tmp_path / "defaults"
@@ -87,5 +87,5 @@ def test_a_default_runs_copies_aligned_are_no_closer_than_one_copy(tmp_path, sub
     mpu_attack.main([*argv, "--run-defaults", "--no-evaluate", "--output-dir", str(out)])
     (cell,) = json.loads((out / "mpu_attack.json").read_text())["cells"]
     assert (cell["defense"], cell["kappa"], cell["m"]) == ("shared-noise", 0.01, 2)
-    assert cell["shared_kappa"] == pytest.approx(0.01)
+    assert cell["shared_kappa"] == pytest.approx(0.015)
     assert cell["leak_ratio"] <= 1.5 and cell["leak_upper_bound"] <= 1.5

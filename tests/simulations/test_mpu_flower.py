@@ -24,7 +24,7 @@ SMALL_RUN = (
     "options",
     [
         # the server secret from a private file (never in the run config); the default
-        # shared noise (κ_η = κ)
+        # shared noise (κ_η = 1.5 κ)
         "merge='firm' mpu.copies=2 num-rounds=2 mpu.secret-file='{secret_file}'",
         # the method as published: no shared noise, and the alignment warning
         "merge='firm' mpu.shared-kappa=0",
@@ -71,13 +71,13 @@ def test_mpu_through_flower(tmp_path, tiny_checkpoint, options):
     assert mpu["server_seconds"]["publish"] > 0 and mpu["server_seconds"]["map_back"] > 0
     assert mpu["sigma_source"] == config["mpu.sigma-source"]
     # the threat-model warning: MPU without noise shared by a client's copies
-    # (left on -1, shared-kappa is κ in mpu mode and 0 in the one-copy baselines)
+    # (left on -1, shared-kappa is 1.5 κ in mpu mode and 0 in the one-copy baselines)
     shared_kappa = config["mpu.shared-kappa"]
     if shared_kappa == -1:
-        shared_kappa = config["mpu.kappa"] if config["mpu.mode"] == "mpu" else 0.0
+        shared_kappa = 1.5 * config["mpu.kappa"] if config["mpu.mode"] == "mpu" else 0.0
     alignment_warning = any("aligns its m copies" in w for w in mpu["warnings"])
     assert alignment_warning == (config["mpu.mode"] == "mpu" and shared_kappa == 0)
-    assert mpu["shared_kappa"] == shared_kappa
+    assert mpu["shared_kappa"] == pytest.approx(shared_kappa)
     assert all(s > 0 for s in mpu["sigma_per_layer"].values()) or config["mpu.mode"] == "clean"
     if config["training.finetune"] == "full":  # dense updates, not 3 copies of rank ≤ 4 mapped back
         forget = [u for u in load_uploads(path.parent / "uploads") if u.role == "forget"]

@@ -265,18 +265,19 @@ def test_shared_noise_survives_the_servers_denoising_and_silences_the_warning(ti
 
 
 def test_the_default_shares_noise_of_the_copies_scale(tiny_model):
-    """Left on its default (-1), shared-kappa is κ in mpu mode (no alignment warning) and 0 in
+    """Left on its default (-1), shared-kappa is 1.5 κ in mpu mode (no alignment warning) and 0 in
     the one-copy baselines, which take it without an error; the run config resolves it the same
     way."""
     kwargs = {"merge": "sum", "model_config": tiny_model.config, "secret": b"s"}
     assignments = [ClientAssignment("forget", "d", (0,))]
     default = MpuStrategy(kappa=0.03, assignments=assignments, **kwargs)
-    assert default.shared_kappa == 0.03
+    assert default.shared_kappa == pytest.approx(0.045)  # 1.5 κ
     assert not any("aligns its m copies" in w for w in default.report()["warnings"])
     for mode in ("clean", "noised"):
         assert MpuStrategy(mode=mode, assignments=assignments, **kwargs).shared_kappa == 0.0
     settings = RunSettings.from_run_config({"mpu.kappa": 0.02})
-    assert settings.mpu.shared_kappa == -1.0 and settings.mpu.shared_noise_kappa() == 0.02
+    assert settings.mpu.shared_kappa == -1.0
+    assert settings.mpu.shared_noise_kappa() == pytest.approx(0.03)
     published = RunSettings.from_run_config({"mpu.shared-kappa": 0.0})
     assert published.mpu.shared_noise_kappa() == 0.0
     clean = RunSettings.from_run_config({"mpu.mode": "clean"})
