@@ -149,11 +149,12 @@ class MpuOptions:
 TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
 #: in results.json and the log whenever ``mpu.mode=mpu`` runs without shared noise
 ALIGNMENT_WARNING = (
-    "without mpu.shared-kappa, a client that aligns its m copies (they are noisy versions of "
-    "the same weights) can cancel the zero-sum noise and compute nearly the server's exact "
-    "model: the threat-model study measured it 41-2204x closer to the exact outputs than one "
-    "copy on the built-in model, 335x on SmolLM2-135M at kappa=0.01 (docs/mpu.md, 'Threat "
-    "model'); mpu.shared-kappa > 0 adds noise the alignment cannot remove"
+    "mpu.shared-kappa=0: a client that aligns its m copies (they are noisy versions of the "
+    "same weights) can cancel the zero-sum noise and compute nearly the server's exact model: "
+    "the threat-model study (python -m simulations.mpu_attack) measured its estimate 41-2204x "
+    "closer to the server's logits than one copy on the built-in model (kappa 0.05 to 0.001, "
+    'm = 2 to 4) and 335x on SmolLM2-135M at kappa=0.01 (docs/mpu.md, "Threat model"); the '
+    "default, shared-kappa = 1.5 x kappa, adds noise the alignment cannot remove"
 )
 
 
