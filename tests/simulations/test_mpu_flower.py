@@ -23,11 +23,10 @@ SMALL_RUN = (
 @pytest.mark.parametrize(
     "options",
     [
-        # the server secret from a private file (never in the run config); the default
-        # shared noise (κ_η = 1.5 κ)
-        "merge='firm' mpu.copies=2 num-rounds=2 mpu.secret-file='{secret_file}'",
-        # the method as published: no shared noise, and the alignment warning
-        "merge='firm' mpu.shared-kappa=0",
+        # the server secret from a private file (never in the run config); the method as
+        # published: no shared noise, and the alignment warning (the default's shared noise
+        # runs in the resume and deployment tests)
+        "merge='firm' mpu.copies=2 num-rounds=2 mpu.secret-file='{secret_file}' mpu.shared-kappa=0",
         # full fine-tuning of the copies, σ from the task vector θ − θ_pretrained, one set of
         # copies for all three clients of the round, with noise shared by the copies
         "merge='sum' mpu.copies=3 training.finetune='full' mpu.sigma-source='task-vector' "
