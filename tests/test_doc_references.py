@@ -90,7 +90,7 @@ def test_every_referenced_page_and_heading_exists() -> None:
 
 def test_no_numbered_sections_of_outside_documents() -> None:
     """No section sign, and no mention of a specification the repository does not hold."""
-    outside = re.compile(SECTION_SIGN + r"|\bSPEC\b")
+    outside = re.compile(SECTION_SIGN + r"|\b[S]PEC\b")  # [S]: this line is not a mention
     found = [
         path.relative_to(REPO).as_posix()
         for path in project_files()
