@@ -85,8 +85,9 @@ SHARED_KAPPA_FACTOR = 1.5
 
 
 def resolve_shared_kappa(shared_kappa: float, mode: str, kappa: float) -> float:
-    """κ_η for ``shared_kappa`` as given: -1 stands for 1.5·``kappa`` in ``mpu`` mode and for 0
-    in the one-copy baselines (nothing to share); any other value is returned as it is."""
+    """κ_η for ``shared_kappa`` as given: -1 stands for SHARED_KAPPA_FACTOR·``kappa`` in ``mpu``
+    mode and for 0 in the one-copy baselines (nothing to share); any other value is returned as
+    it is."""
     if shared_kappa != SHARED_KAPPA_AUTO:
         return shared_kappa
     return SHARED_KAPPA_FACTOR * kappa if mode == "mpu" else 0.0
@@ -119,9 +120,14 @@ class MpuOptions:
     shared_kappa: float = option(
         SHARED_KAPPA_AUTO,
         "κ_η of a noise common to a client's m copies, which aligning the copies cannot "
-        "average away; -1 = 1.5 × mpu.kappa in mpu mode (the default), 0 = none: the method "
-        "as published, with a warning",
-        Number(low=0, special=((SHARED_KAPPA_AUTO, "1.5 × mpu.kappa in mpu mode, else 0"),)),
+        f"average away; -1 = {SHARED_KAPPA_FACTOR:g} × mpu.kappa in mpu mode (the default), "
+        "0 = none: the method as published, with a warning",
+        Number(
+            low=0,
+            special=(
+                (SHARED_KAPPA_AUTO, f"{SHARED_KAPPA_FACTOR:g} × mpu.kappa in mpu mode, else 0"),
+            ),
+        ),
     )
 
     def shared_noise_kappa(self) -> float:

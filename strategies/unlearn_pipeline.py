@@ -256,7 +256,7 @@ def build_strategy(
             publish=settings.mpu.publish,
             kappa=settings.mpu.kappa,
             permute_groups=settings.mpu.permute_groups,
-            shared_kappa=settings.mpu.shared_noise_kappa(),
+            shared_kappa=settings.mpu.shared_kappa,  # -1 resolved by the strategy
             server_lr=settings.mpu.server_lr,
             sigma_reference=(
                 pretrained_state(settings, run_model)
