@@ -140,6 +140,7 @@ def train(msg: Message, context: Context) -> Message:
         batch_size=int(config_scalar(config, "batch-size")),
         seed=int(config_scalar(config, "seed")),
         options=json.loads(str(config["objective-options-json"])),
+        activation_checkpointing=bool(config.get("activation-checkpointing", False)),
     )
     copies = int(config_scalar(config, "mpu-copies", 0))
     names = ["arrays"] if copies == 0 else [f"arrays-{k}" for k in range(copies)]

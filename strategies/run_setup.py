@@ -218,4 +218,5 @@ def client_settings(settings: RunSettings) -> dict[str, Any]:
         "fisher-upload-fraction": settings.upload.fisher_fraction,
         "seed": settings.seed,
         "client-threads": settings.training.client_threads,
+        "activation-checkpointing": settings.activation_checkpointing(),
     }

@@ -386,6 +386,14 @@ class RunSettings:
             )
         return resolved
 
+    def activation_checkpointing(self) -> bool:
+        """Whether clients recompute activations in training (``training.activation-
+        checkpointing``; auto: for a registry model or a checkpoint, not the built-in model)."""
+        mode = self.training.activation_checkpointing
+        if mode == "auto":
+            return self.model.name != "builtin" or bool(self.model.path)
+        return mode == "on"
+
     def merge_parameters(self) -> dict[str, Any]:
         """Candidate merge keyword arguments; each merge takes those it names: ``gamma`` and
         FIRM's options for every merge, and the ties / fulm group for those merges."""

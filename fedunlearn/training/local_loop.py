@@ -8,6 +8,7 @@ objective, and differ only in which parameters move and how the task vector is r
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import random
@@ -86,6 +87,32 @@ def objective_context(
     )
 
 
+@contextlib.contextmanager
+def recomputed_activations(model: torch.nn.Module, on: bool) -> Iterator[None]:
+    """With ``on``, ``model`` (a Hugging Face model, or a PEFT model around one) keeps only each
+    decoder layer's input in the forward pass and recomputes the layer in the backward pass
+    (activation checkpointing) while the block runs: the activations of one layer are alive
+    instead of every layer's, for one more forward pass per step; the gradients are the same
+    (the same operations run again). Off again afterwards."""
+    if not on:
+        yield
+        return
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"{type(model).__name__} cannot recompute its activations (activation "
+            "checkpointing): set training.activation-checkpointing = 'off'"
+        )
+    config = model.config
+    use_cache = config.use_cache  # no key/value cache is built in training: none to drop
+    config.use_cache = False
+    model.activation_checkpointing_enable()  # type: ignore[operator]
+    try:
+        yield
+    finally:
+        model.activation_checkpointing_disable()  # type: ignore[operator]
+        config.use_cache = use_cache
+
+
 def run_objective_steps(
     model: torch.nn.Module,
     params: Sequence[torch.Tensor],
@@ -116,18 +143,19 @@ def run_objective_steps(
     started = time.perf_counter()
     model.train()
     steps = tqdm(range(train.steps), desc=f"local {train.objective}", disable=not show_progress)
-    for _ in steps:
-        loss = objective(model, next(batches), context)
-        if not math.isfinite(loss.item()):
-            raise FloatingPointError(
-                f"objective {train.objective!r} produced a non-finite loss "
-                f"({loss.item()}) at step {len(losses) + 1} of {train.steps}"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
-        optimizer.step()
-        losses.append(loss.item())
+    with recomputed_activations(model, train.activation_checkpointing):
+        for _ in steps:
+            loss = objective(model, next(batches), context)
+            if not math.isfinite(loss.item()):
+                raise FloatingPointError(
+                    f"objective {train.objective!r} produced a non-finite loss "
+                    f"({loss.item()}) at step {len(losses) + 1} of {train.steps}"
+                )
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, train.max_grad_norm)
+            optimizer.step()
+            losses.append(loss.item())
     return {
         "train_seconds": time.perf_counter() - started,
         "steps": float(train.steps),

@@ -51,7 +51,9 @@ class LoraSettings:
 @dataclass(frozen=True)
 class LocalTrainSettings:
     """Optimiser settings of one client's local run; ``options`` are the objective's
-    hyper-parameters by name (e.g. ``{"npo_beta": 0.1}``), passed on in its context."""
+    hyper-parameters by name (e.g. ``{"npo_beta": 0.1}``), passed on in its context;
+    ``activation_checkpointing``: recompute each decoder layer in the backward pass instead of
+    keeping its activations (:func:`~fedunlearn.training.local_loop.recomputed_activations`)."""
 
     objective: str
     steps: int
@@ -60,6 +62,7 @@ class LocalTrainSettings:
     seed: int = 0
     max_grad_norm: float = 1.0
     options: dict[str, float] = field(default_factory=dict)
+    activation_checkpointing: bool = False
 
 
 def _adapter_delta(module: LoraLayer, as_factors: bool) -> torch.Tensor | LowRankDelta:

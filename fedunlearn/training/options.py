@@ -16,6 +16,9 @@ from fedunlearn.options import (
 )
 
 FINETUNE_MODES = ("lora", "full")
+#: ``training.activation-checkpointing``: auto = on for a registry model or a checkpoint
+#: (``model.name``, ``model.path``), off for the built-in model
+ACTIVATION_CHECKPOINTING = ("auto", "on", "off")
 
 
 def _check_layers(text: str) -> None:
@@ -49,6 +52,14 @@ class TrainingOptions:
         20, "batches of one sequence for the empirical Fisher diagonal", POSITIVE_INT
     )
     client_threads: int = option(1, "torch threads per client process", POSITIVE_INT)
+    activation_checkpointing: str = option(
+        "auto",
+        "recompute each decoder layer in the backward pass instead of keeping its activations "
+        "(the same gradients; one more forward pass per step, the activations of one layer "
+        "alive instead of all): on, off, or auto = on for a registry model or a checkpoint, "
+        "off for the built-in model",
+        OneOf(lambda: ACTIVATION_CHECKPOINTING),
+    )
 
 
 @option_group("lora")

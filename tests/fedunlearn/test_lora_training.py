@@ -153,3 +153,66 @@ def test_options_and_retain_data_reach_the_objective(tiny_model, tiny_tokenizer,
     # the received model comes back untouched, trainable, in its mode
     assert all(p.requires_grad for p in tiny_model.parameters())
     assert not any("lora" in name for name, _ in tiny_model.named_modules())
+
+
+@pytest.mark.parametrize("objective", ["ga", "npo"])
+def test_recomputed_activations_give_the_same_task_vector(
+    objective, tiny_model, tiny_tokenizer, tiny_data
+):
+    """Activation checkpointing runs every decoder layer again in the backward pass and keeps
+    its activations only then; the task vector is the same bit for bit (NPO: its frozen
+    reference pass, the adapter disabled, runs without gradients and is not recomputed)."""
+    pad = tiny_tokenizer.pad_token_id
+    examples = [
+        encode_qa(tiny_tokenizer, r["question"], r["answer"]) for r in tiny_data.author_qa[:6]
+    ]
+    mlp = tiny_model.model.layers[0].mlp  # inside the layer: run again when it is recomputed
+    calls = 0
+
+    def count(*_args) -> None:
+        nonlocal calls
+        calls += 1
+
+    hook = mlp.register_forward_pre_hook(count)
+    results = {}
+    try:
+        for on in (False, True):
+            calls = 0
+            settings = LocalTrainSettings(
+                objective=objective,
+                steps=3,
+                lr=5e-3,
+                batch_size=3,
+                seed=2,
+                activation_checkpointing=on,
+            )
+            tv, _ = train_lora_task_vector(
+                tiny_model,
+                examples,
+                pad_token_id=pad,
+                lora=LoraSettings(rank=4, alpha=8.0),
+                train=settings,
+            )
+            results[on] = (tv, calls)
+    finally:
+        hook.remove()
+    (plain, plain_calls), (recomputed, recomputed_calls) = results[False], results[True]
+    trained_passes = 3  # one forward pass per step with gradients
+    assert recomputed_calls == plain_calls + trained_passes, (plain_calls, recomputed_calls)
+    assert not tiny_model.is_activation_checkpointing  # off again afterwards
+    assert sorted(plain) == sorted(recomputed)
+    for key in plain:
+        assert torch.equal(plain[key], recomputed[key]), key
+
+
+def test_a_model_that_cannot_recompute_its_activations_is_a_clear_error(tiny_tokenizer):
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q_proj = torch.nn.Linear(4, 4)
+
+    with pytest.raises(ValueError, match="activation-checkpointing = 'off'"):
+        from fedunlearn.training.local_loop import recomputed_activations
+
+        with recomputed_activations(Plain(), True):
+            pass

@@ -12,6 +12,7 @@ from flwr.common.config import flatten_dict
 
 from fedunlearn.options import OPTION_GROUPS, rule_of
 from fedunlearn.scenarios import SCENARIOS
+from strategies.run_setup import client_settings
 from strategies.settings import GROUP_TYPES, PRETRAINED_DEFAULTS, RunConfigError, RunSettings
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
@@ -204,6 +205,22 @@ def test_scenario_and_registry_model_defaults_are_dotted_run_config_keys():
     assert set(PRETRAINED_DEFAULTS) <= set(keys)
     real = RunSettings.from_run_config({"model.name": "smollm2-135m"}).as_dict()
     assert {k: real[k] for k in PRETRAINED_DEFAULTS} == PRETRAINED_DEFAULTS
+
+
+@pytest.mark.parametrize(
+    "config, expected",
+    [
+        ({}, False),  # the built-in model: a few short sequences, no memory to save
+        ({"model.name": "smollm2-135m"}, True),
+        ({"model.path": "/models/mine"}, True),
+        ({"model.name": "smollm2-135m", "training.activation-checkpointing": "off"}, False),
+        ({"training.activation-checkpointing": "on"}, True),
+    ],
+)
+def test_activation_checkpointing_is_on_for_real_models_unless_set(config, expected):
+    settings = RunSettings.from_run_config(config)
+    assert settings.activation_checkpointing() is expected
+    assert client_settings(settings)["activation-checkpointing"] is expected
 
 
 def test_layer_defaults_follow_the_model_depth():
