@@ -14,6 +14,7 @@ import math
 import random
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -102,7 +103,7 @@ def recomputed_activations(model: torch.nn.Module, on: bool) -> Iterator[None]:
             f"{type(model).__name__} cannot recompute its activations (activation "
             "checkpointing): set training.activation-checkpointing = 'off'"
         )
-    config = model.config
+    config: Any = model.config  # a PretrainedConfig (torch types Module attributes loosely)
     use_cache = config.use_cache  # no key/value cache is built in training: none to drop
     config.use_cache = False
     model.activation_checkpointing_enable()  # type: ignore[operator]
