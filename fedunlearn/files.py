@@ -27,6 +27,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +353,36 @@ _SAFETENSORS_DTYPES = {
     torch.uint8: ("U8", 1),
     torch.bool: ("BOOL", 1),
 }
+
+
+_DTYPES_BY_CODE = {code: dtype for dtype, (code, _) in _SAFETENSORS_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a safetensors file lies: its dtype, shape and byte range."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # the tensor's first byte in the file
+    stop: int
+
+
+def safetensors_layout(path: Path) -> dict[str, StoredTensor]:
+    """Every tensor of a safetensors file, in header order, from its header alone (8 bytes of
+    length, then JSON; the data offsets made absolute)."""
+    with open(path, "rb") as fh:
+        length = int.from_bytes(fh.read(8), "little")
+        header = json.loads(fh.read(length))
+    header.pop("__metadata__", None)
+    base = 8 + length
+    return {
+        name: StoredTensor(
+            _DTYPES_BY_CODE[info["dtype"]], tuple(info["shape"]), base + start, base + stop
+        )
+        for name, info in header.items()
+        for start, stop in [info["data_offsets"]]
+    }
 
 
 def save_safetensors_streamed(

@@ -79,6 +79,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fedunlearn.files import safetensors_layout
 from fedunlearn.merging import ClientUpdate, get_merge
 from fedunlearn.upload_codec import (
     DecodedTensors,
@@ -117,7 +118,6 @@ MEMORY_METHOD = (
     "spooling, mapped pages touched, the merge's work and its output, not the interpreter and "
     "libraries loaded before"
 )
-_ST_DTYPES = {"F32": torch.float32, "I16": torch.int16, "U8": torch.uint8}
 
 
 # ------------------------------------------------------------------------------------ scales
@@ -319,16 +319,15 @@ def write_uploads(job: UploadJob) -> list[dict[str, int]]:
 def read_upload(path: Path) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors file read into fresh memory with plain reads: what a
     server holds once it has received the upload (a memory map's pages would count too)."""
+    out = {}
     with open(path, "rb") as fh:
-        size = int.from_bytes(fh.read(8), "little")
-        header = json.loads(fh.read(size))
-        header.pop("__metadata__", None)
-        out = {}
-        for name, info in header.items():
-            start, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
-            fh.seek(8 + size + start)
-            if fh.readinto(tensor.reshape(-1).view(torch.uint8).numpy()) != end - start:
+        for name, entry in safetensors_layout(path).items():
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            fh.seek(entry.start)
+            if (
+                fh.readinto(tensor.reshape(-1).view(torch.uint8).numpy())
+                != entry.stop - entry.start
+            ):
                 raise OSError(f"{path}: tensor {name!r} is truncated")
             out[name] = tensor
     return out

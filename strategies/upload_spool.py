@@ -19,18 +19,16 @@ a new round starts, everything when the run ends.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from fedunlearn.files import safetensors_layout
 from fedunlearn.merging import ClientUpdate
 from fedunlearn.upload_codec import DecodedTensors, inflate_mask, part_name, split_part
 
@@ -56,44 +54,6 @@ def _parts(
     return out
 
 
-#: safetensors' dtype names
-_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
-@dataclass(frozen=True)
-class _Entry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # the tensor's first byte in the file
-    stop: int
-
-
-def _entries(path: Path) -> dict[str, _Entry]:
-    """The tensors of a safetensors file the spool wrote: their dtypes, shapes and byte ranges
-    (the file's header: 8 bytes of length, then JSON)."""
-    with open(path, "rb") as fh:
-        (length,) = struct.unpack("<Q", fh.read(8))
-        header = json.loads(fh.read(length))
-    header.pop("__metadata__", None)
-    base = 8 + length
-    return {
-        name: _Entry(_DTYPES[info["dtype"]], tuple(info["shape"]), base + start, base + stop)
-        for name, info in header.items()
-        for start, stop in [info["data_offsets"]]
-    }
-
-
 class SpooledFile:
     """A spooled file read one tensor at a time. The header is read once; each read maps only
     that tensor's bytes (a private, copy-on-write map, so the file is never written) and the
@@ -104,7 +64,7 @@ class SpooledFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._entries = _entries(path)
+        self._entries = safetensors_layout(path)
 
     def keys(self) -> list[str]:
         return list(self._entries)
