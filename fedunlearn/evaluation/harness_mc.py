@@ -152,8 +152,7 @@ def _score_next_token(
         for batch in tqdm(batches, desc="next-token scores", disable=quiet):
             rows = _forward_rows(model, [inputs[i] for i in batch], pad_id)
             # a copy of each last row: a view would keep its chunk's whole logits alive
-            last = torch.stack([logits[length - 1].clone() for _, logits, length in rows])
-            last = last.float()
+            last = torch.stack([logits[length - 1].clone() for _, logits, length in rows]).float()
             scores = torch.log_softmax(last, dim=-1).gather(1, targets[batch].to(last.device))
             out[batch] = scores.cpu()
     return out

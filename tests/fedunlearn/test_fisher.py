@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from fedunlearn.fisher import empirical_fisher_diagonal
+from tests.proc_memory import peak_added_since, restart_peak
 
 
 class SoftmaxLM(torch.nn.Module):
@@ -154,18 +155,8 @@ def test_the_fisher_of_a_16_bit_model_takes_about_the_weights_bytes_at_its_peak(
     sums_bytes = sum(w.numel() * w.element_size() for w in weights)
     # once on one weight first: what a process pays once (code paged in, allocator pools)
     empirical_fisher_diagonal(model, examples, names[:1], pad_token_id=0, num_batches=1)
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-        fh.write("5")  # restart the resident high-water mark VmHWM (Linux)
-    start = _status_bytes("VmRSS")
+    start = restart_peak()
     fisher = empirical_fisher_diagonal(model, examples, names, pad_token_id=0, num_batches=2)
-    extra = _status_bytes("VmHWM") - start
+    extra = peak_added_since(start)
     assert sum(f.numel() * f.element_size() for f in fisher.values()) == sums_bytes
     assert extra < 1.4 * sums_bytes, extra / sums_bytes
-
-
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no {field} in /proc/self/status")

@@ -19,6 +19,7 @@ from fedunlearn.evaluation.harness_mc import (
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
 from tests.letter_bias import always_answer
+from tests.proc_memory import peak_added_since, restart_peak
 from tests.shared_paths import SHARED_DATA
 
 SHARED_MMLU = SHARED_DATA / "mmlu"
@@ -172,17 +173,11 @@ def test_a_model_that_always_says_b(which, letter_tokenizer, tiny_tokenizer, wmd
     assert result["per_subject"] == {"biology": {"accuracy": share_b, "n": len(wmdp_records)}}
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as fh:
-        line = next(line for line in fh if line.startswith(f"{field}:"))
-    return int(line.split()[1]) * 1024
-
-
 def test_one_chunk_of_logits_is_alive_at_a_time(letter_tokenizer, mmlu_records, monkeypatch):
     """Next-token scoring keeps each row's last logits, not its chunk: a kept view of the last
     row held every chunk of a batch alive (1.9 GB at SmolLM2's 49k-word vocabulary). Here one
     row per forward pass, 6 rows of a 20k-word vocabulary: the peak added memory (VmHWM reset
-    right before) stays under 1.5 chunks' logits (measured: 0.7; with the views kept: 2.1)."""
+    right before) stays under 1.5 chunks' logits (measured: 0.7; with the views kept: 2.2)."""
     from fedunlearn.allocator import return_freed_memory
     from fedunlearn.evaluation import likelihood
 
@@ -200,10 +195,8 @@ def test_one_chunk_of_logits_is_alive_at_a_time(letter_tokenizer, mmlu_records, 
     chunk_logits = max(lengths) * 20_000 * 4  # one row padded to the batch's width
     monkeypatch.setattr(likelihood, "LOGITS_BUDGET_BYTES", 1)  # one row per forward pass
     choice_logprobs(model, letter_tokenizer, records[:1], batch_size=1, disable_tqdm=True)
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as fh:
-        fh.write("5")  # restart the resident high-water mark VmHWM (Linux)
-    start = _status_bytes("VmRSS")
+    start = restart_peak()
     scores = choice_logprobs(model, letter_tokenizer, records, batch_size=6, disable_tqdm=True)
-    extra = _status_bytes("VmHWM") - start
+    extra = peak_added_since(start)
     assert scores.shape == (6, 4) and torch.isfinite(scores).all()
     assert extra < 1.5 * chunk_logits, (extra / 2**20, chunk_logits / 2**20)
