@@ -28,11 +28,13 @@ bfloat16 server model of a float32 file does not match, and the node gets the fu
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from fedunlearn.models.llama import resolve_dtype
@@ -46,6 +48,7 @@ from wire.delivery import (
     DELTA,
     FULL,
     RUN_BASE_KEY,
+    model_file_key,
     model_sha_key,
     state_sha256,
     weight_digest,
@@ -134,10 +137,11 @@ def received_model(
     config: ConfigRecord, arrays: ArrayRecord, context: Context, copy: int | None = None
 ) -> PreTrainedModel:
     """The model the server sent: ``arrays`` itself, or (``model-delivery`` =
-    ``delta-from-base``) the node's base with ``arrays`` — the weights that differ — in
-    place, checked against ``base-sha256`` and ``model-sha256`` (MPU copy ``copy``:
-    ``model-sha256-<copy>``); a mismatch raises a ``ValueError`` naming the node and its base
-    folder."""
+    ``delta-from-base``) the node's base with the weights that differ in place — ``arrays``,
+    or (a simulated node, ``model-file``) the safetensors file the server wrote them to —
+    checked against ``base-sha256`` and ``model-sha256`` (MPU copy ``copy``:
+    ``model-sha256-<copy>`` and ``model-file-<copy>``); a mismatch raises a ``ValueError``
+    naming the node and its base folder or the file."""
     if str(config.get(DELIVERY_KEY, FULL)) != DELTA:
         return rebuild_model(config, arrays)
     node = context.node_id
@@ -156,24 +160,53 @@ def received_model(
     dtype = resolve_dtype(str(config.get("dtype", "float32")))
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype)
     state, digests = model.state_dict(), dict(base.digests)
-    for key in arrays:
-        values = array_tensor(arrays[key])
+    named = config.get(model_file_key(copy))
+    file = Path(str(named)) if named else None
+    received = _file_weights(context, file) if file else _record_weights(arrays)
+    source = f"file {file}" if file else "the message"
+    count = 0
+    for key, values in received:
         if key not in state or tuple(values.shape) != tuple(state[key].shape):
             raise ValueError(
-                f"node {node}: received weight {key!r} {tuple(values.shape)} is not a weight "
-                f"of base checkpoint {path}"
+                f"node {node}: received weight {key!r} {tuple(values.shape)} ({source}) is "
+                f"not a weight of base checkpoint {path}"
             )
         digests[key] = weight_digest(values)
         with torch.no_grad():
             state[key].copy_(values)
+        count += 1
     server_model = str(config[model_sha_key(copy)])
     if state_sha256(digests) != server_model:
         raise ValueError(
-            f"node {node}: the model rebuilt from base checkpoint {path} and {len(arrays)} "
-            f"received weights has sha256 {state_sha256(digests)}, the server's is "
-            f"{server_model}"
+            f"node {node}: the model rebuilt from base checkpoint {path} and {count} "
+            f"received weights ({source}) has sha256 {state_sha256(digests)}, the server's "
+            f"is {server_model}"
         )
     return finish_model(model)
+
+
+def _record_weights(arrays: ArrayRecord) -> Iterator[tuple[str, torch.Tensor]]:
+    for key in arrays:
+        yield key, array_tensor(arrays[key])
+
+
+def _file_weights(context: Context, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a file the server wrote, one tensor at a time; only a simulated node
+    (on the server's machine) reads a file the server names."""
+    if not simulated_node(context):
+        raise ValueError(
+            f"node {context.node_id}: the server named a file ({path}) to read the model "
+            "from, which only a simulated node on the server's machine accepts"
+        )
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except Exception as err:  # noqa: BLE001 — named with the node and the file
+        raise ValueError(
+            f"node {context.node_id}: cannot read the model file {path}: "
+            f"{type(err).__name__}: {err}"
+        ) from err
+    for key in handle.keys():  # noqa: SIM118 — safe_open handles are not mappings
+        yield key, handle.get_tensor(key)
 
 
 def _offer(config: ConfigRecord) -> str | None:

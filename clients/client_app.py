@@ -21,7 +21,7 @@ from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Mes
 from flwr.clientapp import ClientApp
 from transformers import PreTrainedModel
 
-from clients.base_checkpoint import base_declaration, received_model
+from clients.base_checkpoint import base_declaration, received_model, simulated_node
 from clients.fit_task import fit_reply
 from clients.local_data import client_scenario, shard
 from fedunlearn.allocator import return_freed_memory
@@ -39,7 +39,7 @@ from fedunlearn.training.lora import (
     train_lora_task_vector,
 )
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
-from wire.delivery import BASE_OFFER_KEY
+from wire.delivery import BASE_OFFER_KEY, SHARED_MACHINE_KEY
 from wire.messages import (
     FIT_ACTION,
     config_list,
@@ -75,7 +75,8 @@ def query(msg: Message, context: Context) -> Message:
     clients onto the nodes with it (``strategies.node_roles``). The data path stays local.
     A node that has a base checkpoint (declared, or in a simulation the ``base-offer`` of the
     server's query) also replies its ``base-sha256`` (or ``base-problem``):
-    ``clients.base_checkpoint``.
+    ``clients.base_checkpoint``; a simulated node replies ``shared-machine`` (it can read the
+    files the server writes).
     """
     info: dict[str, ConfigRecordValues] = {
         key: context.node_config[key]
@@ -85,6 +86,8 @@ def query(msg: Message, context: Context) -> Message:
     asked = msg.content.config_records.get("node-info")
     offer = asked.get(BASE_OFFER_KEY) if asked is not None else None
     info.update(base_declaration(context, str(offer) if offer else None))
+    if simulated_node(context):  # can read what the server writes (MPU's copies)
+        info[SHARED_MACHINE_KEY] = True
     return Message(content=RecordDict({"node-info": ConfigRecord(info)}), reply_to=msg)
 
 

@@ -385,18 +385,16 @@ def safetensors_layout(path: Path) -> dict[str, StoredTensor]:
     }
 
 
-def save_safetensors_streamed(
-    path: Path,
+def _safetensors_header(
     layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
-    tensor: Callable[[str], torch.Tensor],
     metadata: dict[str, str] | None = None,
-) -> None:
-    """Write a safetensors file one tensor at a time: ``safetensors.torch.save_file`` first
-    copies every tensor into one buffer, a second copy of a whole model.
-
-    ``layout`` gives each name's dtype and shape, in file order; ``tensor(name)`` returns that
-    CPU tensor, called once per name in that order, so only one is alive at a time. The file
-    is what ``safetensors`` reads: an 8-byte header length, the JSON header, the bytes."""
+    *,
+    room: int = 0,
+    offset_digits: int = 0,
+) -> bytes:
+    """The JSON header of ``layout``'s tensors stored in that order, padded with spaces to a
+    multiple of 8 bytes and to at least ``room`` bytes (the format allows trailing spaces);
+    ``offset_digits`` > 0 writes every offset as that wide a number (a bound on the length)."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, (dtype, shape) in layout.items():
@@ -409,17 +407,101 @@ def save_safetensors_streamed(
         }
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    if offset_digits:  # every offset widened to offset_digits digits: the longest it can be
+        encoded += b" " * (2 * len(layout) * offset_digits)
+    encoded += b" " * max(0, room - len(encoded))
+    return encoded + b" " * (-len(encoded) % 8)
+
+
+def _tensor_bytes(
+    path: Path, name: str, value: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...]
+) -> memoryview:
+    """A CPU tensor's bytes as stored, after checking it is ``dtype`` of ``shape``."""
+    value = value.detach().cpu().contiguous()
+    if value.dtype != dtype or tuple(value.shape) != tuple(shape):
+        raise ValueError(
+            f"{path.name}: tensor {name!r} is {value.dtype} {tuple(value.shape)}, "
+            f"the layout says {dtype} {tuple(shape)}"
+        )
+    if value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
+        value = value.view(torch.int16)
+    return value.numpy().data
+
+
+def save_safetensors_streamed(
+    path: Path,
+    layout: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+    tensor: Callable[[str], torch.Tensor],
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Write a safetensors file one tensor at a time: ``safetensors.torch.save_file`` first
+    copies every tensor into one buffer, a second copy of a whole model.
+
+    ``layout`` gives each name's dtype and shape, in file order; ``tensor(name)`` returns that
+    CPU tensor, called once per name in that order, so only one is alive at a time. The file
+    is what ``safetensors`` reads: an 8-byte header length, the JSON header, the bytes."""
+    encoded = _safetensors_header(layout, metadata)
     with open(path, "wb") as out:
         out.write(len(encoded).to_bytes(8, "little"))
         out.write(encoded)
         for name, (dtype, shape) in layout.items():
-            value = tensor(name).detach().cpu().contiguous()
-            if value.dtype != dtype or tuple(value.shape) != tuple(shape):
-                raise ValueError(
-                    f"{path.name}: tensor {name!r} is {value.dtype} {tuple(value.shape)}, "
-                    f"the layout says {dtype} {tuple(shape)}"
-                )
-            if value.dtype == torch.bfloat16:  # numpy has no bfloat16: its bits as int16
-                value = value.view(torch.int16)
-            out.write(value.numpy().data)
+            out.write(_tensor_bytes(path, name, tensor(name), dtype, shape))
+
+
+class SafetensorsSubsetWriter:
+    """A safetensors file of some of ``candidates``' tensors, chosen while it is written.
+
+    The header's room is reserved for every candidate (the header of a subset, in any order,
+    is never longer); :meth:`add` appends one tensor's bytes at a time, so only the caller's
+    current tensor is alive; :meth:`close` writes the header of what was added, padded with
+    spaces to the reserved room. Used as a context manager, a failure removes the partial file.
+    """
+
+    def __init__(
+        self, path: Path, candidates: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
+    ) -> None:
+        self.path = Path(path)
+        self._candidates = dict(candidates)
+        total = sum(
+            _SAFETENSORS_DTYPES[dtype][1] * math.prod(shape)
+            for dtype, shape in self._candidates.values()
+        )
+        self._room = len(_safetensors_header(self._candidates, offset_digits=len(str(total))))
+        self._layout: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
+        self.nbytes = 0  # the tensors' bytes written so far
+        self._out = open(self.path, "wb")  # noqa: SIM115 — closed by close() / __exit__
+        self._out.write(b"\0" * (8 + self._room))
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Append candidate ``name``'s tensor (of the candidate's dtype and shape)."""
+        if name not in self._candidates:
+            raise KeyError(f"{self.path.name}: {name!r} is not a candidate tensor")
+        if name in self._layout:
+            raise ValueError(f"{self.path.name}: tensor {name!r} was added already")
+        dtype, shape = self._candidates[name]
+        data = _tensor_bytes(self.path, name, value, dtype, shape)
+        self._out.write(data)
+        self.nbytes += data.nbytes
+        self._layout[name] = (dtype, shape)
+
+    def close(self) -> None:
+        """Write the header of the tensors added and close the file."""
+        if self._out.closed:
+            return
+        encoded = _safetensors_header(self._layout, room=self._room)
+        if len(encoded) != self._room:  # cannot happen: the room bounds every subset
+            raise RuntimeError(f"{self.path.name}: the header outgrew its reserved room")
+        self._out.seek(0)
+        self._out.write(len(encoded).to_bytes(8, "little"))
+        self._out.write(encoded)
+        self._out.close()
+
+    def __enter__(self) -> SafetensorsSubsetWriter:
+        return self
+
+    def __exit__(self, kind: object, error: object, trace: object) -> None:
+        if kind is None:
+            self.close()
+            return
+        self._out.close()
+        self.path.unlink(missing_ok=True)

@@ -27,8 +27,10 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from logging import WARNING
+from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
@@ -60,6 +62,7 @@ from fedunlearn.options import (
     option,
     option_group,
 )
+from strategies.copy_files import CopyFiles
 from strategies.merge_strategy import MergeStrategy
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
@@ -70,6 +73,7 @@ from wire.delivery import (
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
+    model_file_key,
     model_sha_key,
     state_sha256,
     weight_digest,
@@ -194,6 +198,10 @@ class MpuStrategy(MergeStrategy):
     sigma_reference : Mapping[str, torch.Tensor] | None (default: None)
         θ_pretrained: when given, σ_ℓ = κ·RMS(θ_ℓ − θ_pretrained,ℓ) (the task-vector variant of
         docs/algorithms.md, "Zero-sum noise", as in the reference code) instead of κ·RMS(θ_ℓ).
+    copy_files : CopyFiles | None (default: None)
+        Where copies for the nodes on the server's machine are written instead of sent
+        (``strategies.copy_files``): a simulated node that holds θ_base gets its copies'
+        changed weights as files; None: every copy travels in the message.
     """
 
     def __init__(
@@ -208,6 +216,7 @@ class MpuStrategy(MergeStrategy):
         permute_groups: bool = True,
         shared_kappa: float = SHARED_KAPPA_AUTO,
         sigma_reference: Mapping[str, torch.Tensor] | None = None,
+        copy_files: CopyFiles | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -231,6 +240,7 @@ class MpuStrategy(MergeStrategy):
         self.shared_kappa = shared_kappa
         self.permute_groups = permute_groups
         self.sigma_reference = sigma_reference
+        self.copy_files = copy_files
         # refuses an architecture T would silently break (naming the module / config field)
         # here, before any copy is built; clean / noised copies are not reparameterised
         self.reparam = (
@@ -246,6 +256,7 @@ class MpuStrategy(MergeStrategy):
         self._secret = secret
         self.alphas = alphas(self.copies)
         self.bytes_to_clients: dict[int, int] = {}
+        self.file_bytes_to_clients: dict[int, int] = {}  # the copies written to files instead
         self.seconds = {"publish": 0.0, "map_back": 0.0}  # server pre- and post-processing
         # the per-tensor σ and shared-noise σ_η of the round being published (θ itself is
         # read from the round's ArrayRecord one tensor at a time, never copied)
@@ -253,6 +264,7 @@ class MpuStrategy(MergeStrategy):
         self.sigma_per_layer: dict[int, float] = {}  # σ_ℓ of the last published round
         # per-round publishing: the round's copies as sent (every node's records share them)
         self._published: tuple[int, list[PublishedCopy]] | None = None
+        self._published_files: tuple[int, list[CopyFile]] | None = None  # per-round, as files
         if self.spool is not None and not isinstance(self.spool, CopySpool):
             self.spool = CopySpool(self.spool.folder)  # a reply's copies go to disk as read
         # T_k of the current round by (client key, copy), drawn once for publish and map back
@@ -273,6 +285,7 @@ class MpuStrategy(MergeStrategy):
             "sigma_per_layer": dict(self.sigma_per_layer),
             "server_seconds": dict(self.seconds),
             "bytes_to_client_last_round": dict(self.bytes_to_clients),
+            "file_bytes_to_client_last_round": dict(self.file_bytes_to_clients),
             "reparam": self.reparam.describe() if self.reparam is not None else None,
             "shared_kappa": self.shared_kappa,
             "warnings": list(self.warnings),
@@ -368,6 +381,13 @@ class MpuStrategy(MergeStrategy):
 
     # ---- hooks of MergeStrategy --------------------------------------------------------------
 
+    def release_weights(self) -> None:
+        """The base's release, and the copy files (no round needs them any more)."""
+        super().release_weights()
+        self._published_files = None
+        if self.copy_files is not None:
+            self.copy_files.clear()
+
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
@@ -383,29 +403,90 @@ class MpuStrategy(MergeStrategy):
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
     ) -> RecordDict:
         config: dict[str, Any] = {**dict(node_config), "mpu-copies": self.copies}
-        delta = self.delivery.why_full(list(self.node_assignment)[position]) is None
+        node_id = list(self.node_assignment)[position]
+        delta = self.delivery.why_full(node_id) is None
         if self.mode == "clean" and not delta:  # the exact weights, as they are
             self.bytes_to_clients[position] = _nbytes(arrays.values())
             return RecordDict({"config": ConfigRecord(config), "arrays-0": arrays})
-        copies = self._copies(server_round, position, arrays, delta)
-        records = {}
-        for k, copy in enumerate(copies):
-            keys = copy.changed(self.delivery.base_digests) if delta else list(copy.arrays)
-            records[f"arrays-{k}"] = copy.record(keys)
+        declaration = self.delivery.declarations.get(node_id)
+        by_file = (
+            delta
+            and self.copy_files is not None
+            and declaration is not None
+            and declaration.shared_machine
+        )
+        records: dict[str, ArrayRecord] = {}
+        hashes: dict[str, str] = {}
+        if by_file:
+            files = self._copy_files(server_round, position, arrays)
+            for k, copy_file in enumerate(files):
+                records[f"arrays-{k}"] = ArrayRecord()
+                hashes[model_sha_key(k)] = copy_file.sha256
+                hashes[model_file_key(k)] = str(copy_file.path)
+            self.file_bytes_to_clients[position] = sum(f.nbytes for f in files)
+        else:
+            copies = self._copies(server_round, position, arrays, delta)
+            for k, copy in enumerate(copies):
+                keys = copy.changed(self.delivery.base_digests) if delta else list(copy.arrays)
+                records[f"arrays-{k}"] = copy.record(keys)
+                if delta:
+                    hashes[model_sha_key(k)] = copy.sha256(self.delivery.base_digests)
+            self.file_bytes_to_clients.pop(position, None)
         if delta:
             config.update(
                 {
                     DELIVERY_KEY: DELTA,
                     BASE_SHA_KEY: str(self.delivery.base_sha256),
-                    **{
-                        model_sha_key(k): copy.sha256(self.delivery.base_digests)
-                        for k, copy in enumerate(copies)
-                    },
+                    **hashes,
                     **({BASE_OFFER_KEY: self.delivery.offer} if self.delivery.offer else {}),
                 }
             )
         self.bytes_to_clients[position] = sum(_nbytes(r.values()) for r in records.values())
         return RecordDict({"config": ConfigRecord(config), **records})
+
+    def _copy_files(self, server_round: int, position: int, arrays: ArrayRecord) -> list[CopyFile]:
+        """Client ``position``'s copies written to files (``per-round``: written for the round's
+        first such client and named to the others)."""
+        if self.publish == "per-client":
+            node_id = list(self.node_assignment)[position]
+            return self._write_copies(server_round, position, arrays, f"node-{node_id}")
+        if self._published_files is None or self._published_files[0] != server_round:
+            files = self._write_copies(server_round, 0, arrays, "round")
+            self._published_files = (server_round, files)
+        return self._published_files[1]
+
+    def _write_copies(
+        self, server_round: int, position: int, arrays: ArrayRecord, name: str
+    ) -> list[CopyFile]:
+        """Client ``position``'s m copies as ``<name>-copy-<k>.safetensors``: each copy's
+        tensors that differ from θ_base, written as they are drawn (one tensor alive)."""
+        assert self.copy_files is not None
+        self.copy_files.begin_round(server_round)
+        candidates = {key: (torch.float32, tuple(arrays[key].shape)) for key in arrays}
+        base = self.delivery.base_digests
+        digests: list[dict[str, str]] = [dict(base) for _ in range(self.copies)]
+        writers = [
+            self.copy_files.writer(f"{name}-copy-{k}", candidates) for k in range(self.copies)
+        ]
+        with ExitStack() as stack:
+            for writer in writers:
+                stack.enter_context(writer)
+            for key, weight, tensors in self._tensors(server_round, position, arrays):
+                theta_digest = None
+                for k, (writer, tensor) in enumerate(zip(writers, tensors, strict=True)):
+                    if tensor is weight:
+                        theta_digest = theta_digest or weight_digest(weight)
+                        digest = theta_digest
+                    else:
+                        digest = weight_digest(tensor)
+                    if digest != base[key]:
+                        writer.add(key, tensor.float())
+                        digests[k][key] = digest
+                del tensors
+        return [
+            CopyFile(writer.path, state_sha256(digest), writer.nbytes)
+            for writer, digest in zip(writers, digests, strict=True)
+        ]
 
     def _copies(
         self, server_round: int, position: int, arrays: ArrayRecord, delta: bool
@@ -485,7 +566,9 @@ class MpuStrategy(MergeStrategy):
             else None,
         )
         fields.update(
-            mpu_copies=len(self.alphas), bytes_received=self.bytes_to_clients.get(position, 0)
+            mpu_copies=len(self.alphas),
+            bytes_received=self.bytes_to_clients.get(position, 0),
+            bytes_received_files=self.file_bytes_to_clients.get(position, 0),
         )
         return combined, fields
 
@@ -521,6 +604,16 @@ class RecordTensors(Mapping[str, torch.Tensor]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._arrays
+
+
+@dataclass(frozen=True)
+class CopyFile:
+    """One published copy written to a file: the weights that differ from θ_base, the hash
+    of the whole copy a node rebuilds from them, and the file's tensor bytes."""
+
+    path: Path
+    sha256: str
+    nbytes: int
 
 
 @dataclass

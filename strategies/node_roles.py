@@ -37,7 +37,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid
 
 from fedunlearn.scenarios import ClientAssignment
-from wire.delivery import BASE_OFFER_KEY, BASE_PROBLEM_KEY, BASE_SHA_KEY
+from wire.delivery import BASE_OFFER_KEY, BASE_PROBLEM_KEY, BASE_SHA_KEY, SHARED_MACHINE_KEY
 
 ROLE_KEY = "role"
 PARTITION_KEY = "partition-id"
@@ -53,6 +53,7 @@ class NodeDeclaration:
     partition_id: int | None = None
     base_sha256: str | None = None  # the hash of its base-checkpoint
     base_problem: str | None = None  # why its declared base-checkpoint cannot be used
+    shared_machine: bool = False  # a simulated node: it reads files the server writes
 
     def describe(self) -> str:
         partition = "" if self.partition_id is None else f" (partition-id={self.partition_id})"
@@ -180,6 +181,7 @@ def declaration_from_record(node_id: int, record: ConfigRecord) -> NodeDeclarati
         partition_id=None if pid is None else _partition_id(node_id, pid),
         base_sha256=base_sha256,
         base_problem=base_problem,
+        shared_machine=record.get(SHARED_MACHINE_KEY) is True,
     )
 
 

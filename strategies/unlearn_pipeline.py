@@ -28,6 +28,7 @@ from strategies.checkpoint import (
     config_fingerprint,
     model_structure,
 )
+from strategies.copy_files import COPIES_DIR, CopyFiles
 from strategies.eval_cache import cached_evaluation, evaluation_key
 from strategies.memory import peak_rss_bytes
 from strategies.merge_strategy import MergeStrategy
@@ -76,7 +77,11 @@ def run_unlearning(
             resumed_state = None
         else:
             initial, shapes = move_into_arrays(model)
-        final, record = federate(grid, strategy, settings, initial, done)
+        try:
+            final, record = federate(grid, strategy, settings, initial, done)
+        except BaseException:
+            strategy.release_weights()  # e.g. MPU's copy files are removed
+            raise
         del initial
     phases["federated_round"] = time.perf_counter() - t0
 
@@ -263,6 +268,7 @@ def build_strategy(
                 if settings.mpu.sigma_source == "task-vector"
                 else None
             ),
+            copy_files=CopyFiles(output_dir / COPIES_DIR),
             **common,
         )
     else:

@@ -29,12 +29,23 @@ BASE_OFFER_KEY = "base-offer"
 MODEL_SHA_KEY = "model-sha256"  # TRAIN config: state_sha256(θ_round)
 DELIVERY_KEY = "model-delivery"  # TRAIN config: FULL (absent) or DELTA
 FULL, DELTA = "full", "delta-from-base"
+#: query reply: the node is a virtual node of a simulation, on the server's machine, so it
+#: can read files the server writes (MPU's copies travel that way, ``strategies.copy_files``)
+SHARED_MACHINE_KEY = "shared-machine"
+MODEL_FILE_KEY = "model-file"  # TRAIN config: the file holding the weights sent by reference
 
 
 def model_sha_key(copy: int | None = None) -> str:
     """The TRAIN config key of the hash of the model a node rebuilds: ``model-sha256``, or for
     MPU's copy ``copy`` ``model-sha256-<copy>``."""
     return MODEL_SHA_KEY if copy is None else f"{MODEL_SHA_KEY}-{copy}"
+
+
+def model_file_key(copy: int | None = None) -> str:
+    """The TRAIN config key naming the safetensors file that holds, instead of the message,
+    the weights differing from θ_base: ``model-file``, or for MPU's copy ``copy``
+    ``model-file-<copy>``."""
+    return MODEL_FILE_KEY if copy is None else f"{MODEL_FILE_KEY}-{copy}"
 
 
 def tensor_digest(values: np.ndarray) -> str:

@@ -175,3 +175,45 @@ def test_streamed_safetensors_are_what_safetensors_reads(tmp_path):
     layout["bf16"] = (torch.float32, (4, 7))
     with pytest.raises(ValueError, match=r"tensor 'bf16' is torch.bfloat16 \(4, 7\), the layout"):
         save_safetensors_streamed(tmp_path / "bad.safetensors", layout, tensor)
+
+
+def test_a_subset_writer_reserves_the_header_and_writes_what_safetensors_reads(tmp_path):
+    """Tensors chosen while writing (any subset of the candidates, in any order): the file is
+    one safetensors reads, with every tensor bit-identical; the header's room never runs out,
+    not even with every candidate at the largest offsets; a failure leaves no file."""
+    from safetensors.torch import load_file
+
+    from fedunlearn.files import SafetensorsSubsetWriter, safetensors_layout
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        f"model.layers.{i}.mlp.weight": torch.randn(3, 4 + i, generator=gen) for i in range(12)
+    }
+    tensors["bf16"] = torch.randn(2, 5, generator=gen).bfloat16()
+    candidates = {k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()}
+    for chosen in ([], ["bf16", "model.layers.3.mlp.weight"], list(reversed(tensors))):
+        path = tmp_path / f"subset-{len(chosen)}.safetensors"
+        with SafetensorsSubsetWriter(path, candidates) as writer:
+            for name in chosen:
+                writer.add(name, tensors[name])
+        assert writer.nbytes == sum(tensors[n].numel() * tensors[n].element_size() for n in chosen)
+        loaded = load_file(str(path))
+        assert list(safetensors_layout(path)) == chosen
+        assert all(
+            torch.equal(loaded[n], tensors[n]) and loaded[n].dtype == tensors[n].dtype
+            for n in chosen
+        )
+        layout = safetensors_layout(path)
+        assert all(entry.start % 8 == 0 for entry in list(layout.values())[:1])  # aligned data
+
+    path = tmp_path / "failed.safetensors"
+    with pytest.raises(KeyError, match="'other' is not a candidate"):
+        with SafetensorsSubsetWriter(path, candidates) as writer:
+            writer.add("bf16", tensors["bf16"])
+            writer.add("other", tensors["bf16"])
+    assert not path.exists()
+    with pytest.raises(ValueError, match="'bf16' was added already"):
+        with SafetensorsSubsetWriter(path, candidates) as writer:
+            writer.add("bf16", tensors["bf16"])
+            writer.add("bf16", tensors["bf16"])
+    assert not path.exists()

@@ -13,6 +13,8 @@ from transformers import AutoModelForCausalLM
 from fedunlearn.models.llama import new_tiny_llama
 from simulations import run_local
 from strategies.checkpoint import CHECKPOINT_DIR, WEIGHTS_FILE
+from strategies.copy_files import COPIES_DIR
+from strategies.secret_files import write_private_file
 from wire.delivery import DELTA
 
 pytestmark = pytest.mark.slow
@@ -78,3 +80,26 @@ def test_nodes_with_another_base_get_the_full_model(tmp_path, tiny_checkpoint, c
     for client in clients:  # the run log says why, once per node
         reason = f"node {client['node_id']} gets the full model: its base-checkpoint has sha256"
         assert log.count(reason) == 1
+
+
+def test_mpu_copies_read_from_files_end_with_the_weights_of_copies_sent_in_full(
+    tmp_path, tiny_checkpoint
+):
+    """MPU in a simulation: every node rebuilds its copies from θ_base and the files the server
+    wrote (no weights in any message), and the run ends bit for bit where the same run whose
+    copies all travel in full in the messages ends; the copy files are gone after the run."""
+    secret = write_private_file(tmp_path / "mpu-secret", b"the-same-copies-in-both-runs")
+    mpu = f"num-rounds=2 wrapper='mpu' merge='firm' mpu.copies=2 mpu.secret-file='{secret}'"
+    files, files_weights = _run(tmp_path, "files", tiny_checkpoint, mpu)
+    full, full_weights = _run(tmp_path, "full", tiny_checkpoint, f"{mpu} model.delivery='full'")
+    assert files_weights.keys() == full_weights.keys()
+    assert all(torch.equal(files_weights[k], full_weights[k]) for k in full_weights)
+    for by_file, in_message in zip(files["clients"], full["clients"], strict=True):
+        assert "excluded" not in by_file and by_file["model_delivery"] == DELTA
+        assert by_file["bytes_received_model_by_round"] == [0, 0]
+        assert in_message["bytes_received_model"] > 0 and in_message["bytes_received_files"] == 0
+        # the copies' changed weights lie in the files instead: every decoder layer, not the
+        # embeddings and head (about half the tiny model's bytes)
+        assert 0.4 * in_message["bytes_received_model"] < by_file["bytes_received_files"]
+        assert by_file["bytes_received_files"] < 0.6 * in_message["bytes_received_model"]
+    assert not (tmp_path / "files" / COPIES_DIR).exists()

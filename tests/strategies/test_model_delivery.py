@@ -6,6 +6,7 @@ import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
+from safetensors.torch import save_file
 
 from clients.base_checkpoint import load_base, received_model
 from clients.client_app import app as client_app
@@ -18,6 +19,7 @@ from wire.delivery import (
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
+    MODEL_FILE_KEY,
     MODEL_SHA_KEY,
     record_digests,
     state_sha256,
@@ -250,3 +252,44 @@ def test_delivery_full_sends_the_whole_model_to_nodes_holding_the_base(
     assert all(len(m.content["arrays"]) == len(arrays) for m in messages)
     assert {strategy.delivery.report(n)["model_delivery"] for n in (5, 6)} == {"full"}
     assert "every node gets the full model: model.delivery='full'" in caplog.text
+
+
+def test_a_simulated_node_rebuilds_its_model_from_a_file_and_refuses_a_damaged_one(
+    checkpoints, tiny_model, tmp_path
+):
+    """``model-file``: the weights that differ from θ_base lie in a file the server wrote. A
+    simulated node rebuilds the server's model from it; a deployed node never reads a file a
+    message names; a file changed on disk fails the hash check, naming the node and the file."""
+    base, _ = checkpoints
+    round_two = _round_two(wire_state(tiny_model))
+    state = round_two.to_torch_state_dict()
+    path = tmp_path / "copy.safetensors"
+    save_file({key: state[key] for key in CHANGED}, str(path))
+    config = ConfigRecord(
+        {
+            DELIVERY_KEY: DELTA,
+            BASE_SHA_KEY: load_base(base).sha256,
+            MODEL_SHA_KEY: state_sha256(record_digests(round_two)),
+            MODEL_FILE_KEY: str(path),
+            BASE_OFFER_KEY: str(base),
+        }
+    )
+
+    def context(node_id: int, node_config: dict) -> Context:
+        return Context(
+            run_id=1, node_id=node_id, node_config=node_config, state=RecordDict(), run_config={}
+        )
+
+    rebuilt = received_model(config, ArrayRecord(), context(5, dict(SIMULATED)))
+    assert all(torch.equal(v, state[k]) for k, v in rebuilt.state_dict().items())
+    deployed = context(6, {"partition-id": 1, "base-checkpoint": str(base)})
+    with pytest.raises(ValueError, match=r"node 6: the server named a file \(.*copy"):
+        received_model(config, ArrayRecord(), deployed)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x40  # one bit of the last weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"node 5: the model rebuilt .* \(file .*copy"):
+        received_model(config, ArrayRecord(), context(5, dict(SIMULATED)))
+    path.unlink()
+    with pytest.raises(ValueError, match=r"node 5: cannot read the model file .*copy"):
+        received_model(config, ArrayRecord(), context(5, dict(SIMULATED)))

@@ -1,8 +1,12 @@
 """What the MPU strategy puts on the wire, and how it maps replies back."""
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, MetricRecord, RecordDict
+from safetensors.torch import load_file
 
 from fedunlearn.mpu import (
     HarmonicAggregator,
@@ -18,6 +22,7 @@ from fedunlearn.mpu import (
 )
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector
+from strategies.copy_files import CopyFiles
 from strategies.mpu_strategy import MPU_PUBLISH, CopySpool, MpuStrategy
 from strategies.node_roles import NodeDeclaration
 from strategies.reply_validation import ReplyRejected
@@ -27,6 +32,7 @@ from wire.delivery import (
     BASE_SHA_KEY,
     DELIVERY_KEY,
     DELTA,
+    model_file_key,
     model_sha_key,
     record_digests,
     state_sha256,
@@ -465,3 +471,52 @@ def test_a_node_holding_the_base_gets_only_what_each_copy_changes(tiny_model):
             for v in delta[f"arrays-{k}"].to_torch_state_dict().values()
         )
         assert strategy.bytes_to_clients[0] == sent < strategy.bytes_to_clients[1]
+
+
+def test_a_simulated_node_reads_its_copies_from_files_equal_to_the_message(tiny_model, tmp_path):
+    """A node on the server's machine (``shared-machine``) holding θ_base gets no arrays: each
+    copy's changed tensors lie in a file the message names, bit-identical to the record a
+    deployed node gets, hashing to the same model-sha256-<k>; the files go with the run."""
+    state = _state(tiny_model)
+    arrays = ArrayRecord(state)
+    assignments = [ClientAssignment("forget", "d", (i,)) for i in range(2)]
+    base_sha = state_sha256(record_digests(arrays))
+    for publish in MPU_PUBLISH:
+        strategy = MpuStrategy(
+            merge="sum",
+            model_config=tiny_model.config,
+            secret=b"server-secret-for-tests",
+            kappa=0.05,
+            publish=publish,
+            assignments=assignments,
+            copy_files=CopyFiles(tmp_path / publish),
+        )
+        strategy.node_assignment = {10: assignments[0], 11: assignments[1]}
+        declarations = {
+            10: NodeDeclaration(10, base_sha256=base_sha, shared_machine=True),
+            11: NodeDeclaration(11, base_sha256=base_sha),
+        }
+        strategy.delivery.declare(declarations)
+        strategy.delivery.start_round(1, arrays)
+        by_file = strategy.node_content(1, 0, arrays, ConfigRecord())
+        assert strategy.bytes_to_clients[0] == 0
+        file_bytes = strategy.file_bytes_to_clients[0]
+        # the same client's copies as a deployed node gets them (same position, same keys)
+        strategy.node_assignment = {11: assignments[0], 10: assignments[1]}
+        in_message = strategy.node_content(1, 0, arrays, ConfigRecord())
+        assert strategy.bytes_to_clients[0] > 0
+        strategy.node_assignment = {10: assignments[0], 11: assignments[1]}
+        for k in range(2):
+            path = Path(str(by_file["config"][model_file_key(k)]))
+            assert len(by_file[f"arrays-{k}"]) == 0
+            assert by_file["config"][model_sha_key(k)] == in_message["config"][model_sha_key(k)]
+            stored = load_file(path)
+            sent = in_message[f"arrays-{k}"].to_torch_state_dict()
+            assert stored.keys() == sent.keys()
+            assert all(torch.equal(stored[n], sent[n]) for n in sent)
+        assert file_bytes == sum(
+            math.prod(v.shape) * 4 for k in range(2) for v in in_message[f"arrays-{k}"].values()
+        )
+        assert any((tmp_path / publish).rglob("*.safetensors"))
+        strategy.release_weights()
+        assert not (tmp_path / publish).exists()

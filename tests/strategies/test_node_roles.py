@@ -22,8 +22,10 @@ RETAIN = ClientAssignment("retain", "retain", (10, 11))
 SCENARIO = [FORGET_A, FORGET_B, RETAIN]
 
 
-def declare(node_id: int, role: str | None, pid: int | None = None) -> NodeDeclaration:
-    return NodeDeclaration(node_id=node_id, role=role, partition_id=pid)
+def declare(
+    node_id: int, role: str | None, pid: int | None = None, *, shared: bool = False
+) -> NodeDeclaration:
+    return NodeDeclaration(node_id=node_id, role=role, partition_id=pid, shared_machine=shared)
 
 
 def test_without_declared_roles_sorted_node_order_as_before():
@@ -150,7 +152,8 @@ def test_simulation_node_config_falls_back_to_sorted_order(server_identity):
         {n: {"partition-id": i, "num-partitions": 3} for i, n in enumerate([9, 8, 7])}
     )
     declarations = query_declarations(grid, [9, 8, 7], timeout=5)
-    assert declarations[9] == declare(9, None, 0)
+    # a simulated node says it shares the server's machine (it can read the server's files)
+    assert declarations[9] == declare(9, None, 0, shared=True)
     assert assign_nodes(grid, [9, 8, 7], SCENARIO, timeout=5) == {
         7: FORGET_A,
         8: FORGET_B,
@@ -166,7 +169,7 @@ def test_unreadable_partition_ids_are_refused_in_simulation(server_identity, cap
     grid = ClientAppGrid(
         {7: {"partition-id": "abc"}, 8: {"partition-id": 1}, 9: {"partition-id": float("inf")}}
     )
-    assert query_declarations(grid, [7, 8, 9], timeout=5) == {8: declare(8, None, 1)}
+    assert query_declarations(grid, [7, 8, 9], timeout=5) == {8: declare(8, None, 1, shared=True)}
     assert "node 7 declares partition-id='abc', not a whole number >= 0" in caplog.text
     assert "node 9 declares partition-id=inf" in caplog.text
     assert assign_nodes(grid, [7, 8, 9], SCENARIO, timeout=5) == {
