@@ -63,8 +63,9 @@ class OneOf:
 class Number:
     """A number in ``[low, high]`` (an end excluded when ``*_open``), finite unless ``inf_ok``;
     ``special`` names values accepted outside the range, as ``(value, meaning)`` pairs;
-    ``unset`` is the value that stands for "the scenario's default", replaced by the scenario's
-    value before the check (so it is described, but not accepted)."""
+    ``unset`` is the value that stands for "the default of the scenario and model", replaced by
+    that value before the check (so it is described, but not accepted): a key set to any other
+    value, even the one the default would give, keeps it."""
 
     low: float = -math.inf
     high: float = math.inf
@@ -103,7 +104,7 @@ class Number:
         text = f"{what} {span}".strip() + (" (inf allowed)" if self.inf_ok else "")
         extra = "".join(f", or {v:g} ({meaning})" for v, meaning in self.special)
         if self.unset is not None:
-            extra += f"; {self.unset:g} = the scenario's default"
+            extra += f"; {self.unset:g} = the default of the scenario and model"
         return text + extra
 
 
@@ -138,6 +139,8 @@ OFF_OR_AT_LEAST_ONE = Number(low=1, special=((0.0, "off"),))
 #: ``0`` stands for the scenario's default (filled in before the check)
 POSITIVE_INT_OR_SCENARIO = Number(low=1, unset=0)
 POSITIVE_OR_SCENARIO = Number(low=0, low_open=True, unset=0)
+#: ``-1`` stands for the default (0 is a value of its own)
+COUNT_OR_SCENARIO = Number(low=0, unset=-1)
 
 
 def option(default: T, help: str, rule: Rule | None = None) -> T:

@@ -50,10 +50,24 @@ from strategies.renamed_keys import RENAMED_KEYS, RunConfigError
 from strategies.secret_files import check_secret_keys
 from strategies.server_options import ServerOptions
 
-__all__ = ["PRETRAINED_DEFAULTS", "RunConfigError", "RunSettings"]
+__all__ = ["BUILTIN_DEFAULTS", "PRETRAINED_DEFAULTS", "RunConfigError", "RunSettings"]
 
-#: defaults for a registry model (``model``) where a key is left on its default (a
-#: ``model-path`` checkpoint keeps the scenario's defaults: its size is unknown here),
+#: defaults of the keys whose value depends on the model, for the built-in model and a
+#: ``model.path`` checkpoint (its size is unknown here); a scenario's own defaults
+#: (``Scenario.defaults``) take precedence over these, a registry model's over both
+BUILTIN_DEFAULTS: dict[str, Any] = {
+    "scenario.retain-samples": 200,
+    "training.fisher-batches": 20,
+    "training.retain-steps": 40,
+    "training.retain-lr": 1e-3,
+    "eval.max-new-tokens": 32,
+    "eval.batch-size": 64,
+    "eval.retain-samples": 200,
+    "model.finetune-epochs": 6,
+    "model.finetune-lr": 1e-4,
+}
+
+#: defaults for a registry model (``model``) where a key is left unset,
 #: sized for a CPU: LoRA on the query and value projections of every layer (a dense task
 #: vector + Fisher of about 106 MB per client for SmolLM2-135M, against 850 MB for all seven
 #: projections), two forget clients and one retain client holding the 40 QA of the default
@@ -174,11 +188,13 @@ class RunSettings:
         return settings
 
     def resolved(self) -> RunSettings:
-        """A copy where every key left on its "scenario default" value ("auto", 0, -1) takes
-        the scenario's default (``Scenario.defaults``, dotted keys); explicit values are
-        kept."""
+        """A copy where every key left unset (on its field default, "auto", 0 or -1, which
+        stands for "the default") takes the default of the model and scenario, in rising
+        precedence :data:`BUILTIN_DEFAULTS`, the scenario's (``Scenario.defaults``, dotted
+        keys), :data:`PRETRAINED_DEFAULTS` for a registry model; a key set to any other value
+        keeps it, also when it equals what the default would be."""
         check_value("scenario.name", self.scenario.name, _field_of("scenario.name")[2])
-        defaults = dict(SCENARIOS[self.scenario.name].defaults)
+        defaults = {**BUILTIN_DEFAULTS, **SCENARIOS[self.scenario.name].defaults}
         registry_model = self.model.name != "builtin"
         if registry_model:
             defaults.update(PRETRAINED_DEFAULTS)

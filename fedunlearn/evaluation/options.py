@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedunlearn.options import COUNT, POSITIVE_INT, Number, option, option_group
+from fedunlearn.options import (
+    COUNT,
+    COUNT_OR_SCENARIO,
+    POSITIVE_INT_OR_SCENARIO,
+    Number,
+    option,
+    option_group,
+)
 
 
 @option_group("eval")
@@ -13,13 +20,19 @@ class EvalOptions:
     """Evaluation sizes (``[tool.flwr.app.config.eval]``)."""
 
     retain_samples: int = option(
-        200,
+        -1,
         "retain questions evaluated (wmdp: general questions; tofu on the published files: "
-        "also caps real authors and world facts)",
-        COUNT,
+        "also caps real authors and world facts); default 200, a registry model 20",
+        COUNT_OR_SCENARIO,
     )
-    max_new_tokens: int = option(32, "generation length of the greedy answers", POSITIVE_INT)
-    batch_size: int = option(64, "evaluation batch size", POSITIVE_INT)
+    max_new_tokens: int = option(
+        0,
+        "generation length of the greedy answers; default 32, a registry model 64",
+        POSITIVE_INT_OR_SCENARIO,
+    )
+    batch_size: int = option(
+        0, "evaluation batch size; default 64, a registry model 16", POSITIVE_INT_OR_SCENARIO
+    )
     mmlu_path: str = option(
         "", 'MMLU CSV folder for a real model\'s general utility; "" = mmlu beside data-path'
     )

@@ -5,7 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fedunlearn.options import COUNT, POSITIVE, POSITIVE_INT, OneOf, option, option_group
+from fedunlearn.options import (
+    COUNT,
+    POSITIVE,
+    POSITIVE_INT,
+    POSITIVE_INT_OR_SCENARIO,
+    POSITIVE_OR_SCENARIO,
+    OneOf,
+    option,
+    option_group,
+)
 
 #: Model dtypes (float16 would need loss scaling).
 DTYPES = ("auto", "float32", "bfloat16")
@@ -54,9 +63,13 @@ class ModelOptions:
         OneOf(lambda: DELIVERIES),
     )
     finetune_epochs: int = option(
-        6, "full fine-tuning epochs of a registry model on the scenario's data", POSITIVE_INT
+        0,
+        "full fine-tuning epochs of a registry model on the scenario's data; default 6 (muse 8)",
+        POSITIVE_INT_OR_SCENARIO,
     )
-    finetune_lr: float = option(1e-4, "its learning rate", POSITIVE)
+    finetune_lr: float = option(
+        0.0, "its learning rate; default 1e-4 (muse 5e-4)", POSITIVE_OR_SCENARIO
+    )
 
 
 @option_group("substrate")

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from fedunlearn.options import (
     COUNT,
+    COUNT_OR_SCENARIO,
     POSITIVE_INT,
     POSITIVE_INT_OR_SCENARIO,
     Number,
@@ -50,7 +51,11 @@ class ScenarioOptions:
         POSITIVE_INT_OR_SCENARIO,
     )
     num_retain_clients: int = option(1, "retain clients", COUNT)
-    retain_samples: int = option(200, "retain records each retain client holds", COUNT)
+    retain_samples: int = option(
+        -1,
+        "retain records each retain client holds; default 200, a registry model 40",
+        COUNT_OR_SCENARIO,
+    )
     local_retain_samples: int = option(
         32, "retain records each forget client also holds, for objectives that use them", COUNT
     )

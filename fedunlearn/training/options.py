@@ -39,8 +39,16 @@ class TrainingOptions:
     forget_lr: float = option(
         0.0, "forget clients' learning rate (scenario: 1e-3; wmdp 5e-3)", POSITIVE_OR_SCENARIO
     )
-    retain_steps: int = option(40, "retain clients' steps (next-token NLL)", POSITIVE_INT)
-    retain_lr: float = option(1e-3, "retain clients' learning rate", POSITIVE)
+    retain_steps: int = option(
+        0,
+        "retain clients' steps (next-token NLL); default 40, a registry model 10",
+        POSITIVE_INT_OR_SCENARIO,
+    )
+    retain_lr: float = option(
+        0.0,
+        "retain clients' learning rate; default 1e-3, a registry model 2e-4",
+        POSITIVE_OR_SCENARIO,
+    )
     batch_size: int = option(8, "local batch size", POSITIVE_INT)
     finetune: str = option(
         "lora",
@@ -49,7 +57,9 @@ class TrainingOptions:
         OneOf(lambda: FINETUNE_MODES),
     )
     fisher_batches: int = option(
-        20, "batches of one sequence for the empirical Fisher diagonal", POSITIVE_INT
+        0,
+        "batches of one sequence for the empirical Fisher diagonal; default 20, a registry model 4",
+        POSITIVE_INT_OR_SCENARIO,
     )
     client_threads: int = option(1, "torch threads per client process", POSITIVE_INT)
     activation_checkpointing: str = option(

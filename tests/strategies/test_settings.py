@@ -208,6 +208,45 @@ def test_scenario_and_registry_model_defaults_are_dotted_run_config_keys():
 
 
 @pytest.mark.parametrize(
+    "key, value, unset",
+    [
+        ("training.retain-lr", 1e-3, 2e-4),
+        ("eval.batch-size", 64, 16),
+        ("eval.max-new-tokens", 32, 64),
+        ("eval.retain-samples", 200, 20),
+        ("scenario.retain-samples", 200, 40),
+        ("training.fisher-batches", 20, 4),
+        ("training.retain-steps", 40, 10),
+    ],
+)
+def test_an_explicit_value_equal_to_the_builtin_default_wins_over_a_registry_models(
+    key, value, unset
+):
+    """Issue 36, item 7: a key set to the very value the built-in model's default has is the
+    user's choice, not "unset": the registry model's default does not replace it."""
+    registry = {"model.name": "smollm2-135m"}
+    assert RunSettings.from_run_config(registry).as_dict()[key] == unset
+    assert RunSettings.from_run_config({**registry, key: value}).as_dict()[key] == value
+    assert RunSettings.from_run_config({}).as_dict()[key] == value  # the built-in default
+    # the same through Flower's merged run config (pyproject's defaults plus the override)
+    merged = {**_pyproject_run_config(), **registry, key: value}
+    assert RunSettings.from_run_config(merged).as_dict()[key] == value
+
+
+def test_an_explicit_value_equal_to_a_default_wins_over_a_scenarios():
+    muse = {"scenario.name": "muse", "model.name": "smollm2-135m"}
+    assert RunSettings.from_run_config(muse).model.finetune_lr == 5e-4
+    assert RunSettings.from_run_config({**muse, "model.finetune-lr": 1e-4}).model.finetune_lr == (
+        1e-4
+    )
+    assert (
+        RunSettings.from_run_config({**muse, "model.finetune-epochs": 6}).model.finetune_epochs == 6
+    )
+    with pytest.raises(RunConfigError, match="training.retain-lr"):
+        RunSettings.from_run_config({"training.retain-lr": -1e-3})
+
+
+@pytest.mark.parametrize(
     "config, expected",
     [
         ({}, False),  # the built-in model: a few short sequences, no memory to save
