@@ -464,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
 
     scenario = get_scenario(data["config"]["scenario.name"])
     if data["metrics"]:
-        print(format_summary_table(data["metrics"], summary_names(data["metrics"], scenario)))
+        names = summary_names(data["metrics"], scenario)
+        print(format_summary_table(data["metrics"], names, data.get("metrics_ci")))
+        print("(95 % bootstrap intervals over the questions in brackets; scores.json beside)")
     else:
         print("no metrics (evaluate=false)")
     print(f"\nresults: {results}")

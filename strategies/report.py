@@ -67,7 +67,7 @@ def render_report(results: Mapping[str, Any], names: Sequence[str]) -> str:
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{_e(title)}</title>",
         f"<style>{_STYLE}</style></head><body><h1>{_e(title)}</h1>",
         _run_section(results),
-        _metrics_section(results.get("metrics") or {}, names),
+        _metrics_section(results.get("metrics") or {}, names, results.get("metrics_ci") or {}),
         _clients_section(results.get("clients") or []),
         _merge_section(results.get("merge") or {}),
         _samples_section(results.get("metrics") or {}),
@@ -108,23 +108,43 @@ def _run_section(results: Mapping[str, Any]) -> str:
     return f"<h2>Run</h2><table>{body}</table>"
 
 
-def _metrics_section(metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> str:
+def _metrics_section(
+    metrics: Mapping[str, Mapping[str, Any]],
+    names: Sequence[str],
+    intervals: Mapping[str, Mapping[str, Sequence[float]]],
+) -> str:
     if not metrics:
         return "<h2>Metrics</h2><p class='note'>Not evaluated (evaluate=false).</p>"
     models = [m for m in MODELS if m in metrics]
     listed = [n for n in names if any(_number(metrics[m].get(n)) is not None for m in models)]
     head = "".join(f"<th>{_e(MODEL_LABELS[m])}</th>" for m in models)
+
+    def cell(model: str, name: str) -> str:
+        interval = intervals.get(model, {}).get(name)
+        shown = _cell(metrics[model].get(name))
+        if interval is None or not shown:
+            return shown
+        return f"{shown} <span class='note'>[{interval[0]:.3g}, {interval[1]:.3g}]</span>"
+
     rows = "".join(
         f"<tr><td class='text'>{_e(n)}</td>"
-        + "".join(f"<td>{_cell(metrics[m].get(n))}</td>" for m in models)
+        + "".join(f"<td>{cell(m, n)}</td>" for m in models)
         + "</tr>"
         for n in listed
     )
-    plot = _metrics_plot(metrics, models, listed)
+    plot = _metrics_plot(metrics, models, listed, intervals)
+    note = (
+        "<p class='note'>Brackets and error bars: 95 % percentile-bootstrap intervals over the "
+        "evaluated questions (results.json <code>metrics_ci</code>, per-question values in "
+        "scores.json).</p>"
+        if intervals
+        else ""
+    )
     return (
         "<h2>Metrics</h2>"
         + (_img(plot, "before / after / reference per metric") if plot else "")
         + f"<table><tr><th class='text'>metric</th>{head}</tr>{rows}</table>"
+        + note
     )
 
 
@@ -223,9 +243,14 @@ def _tensor_table(tensors: Mapping[str, Mapping[str, Any]]) -> str:
 
 # ---------------------------------------------------------------------------------------- plots
 def _metrics_plot(
-    metrics: Mapping[str, Mapping[str, Any]], models: Sequence[str], names: Sequence[str]
+    metrics: Mapping[str, Mapping[str, Any]],
+    models: Sequence[str],
+    names: Sequence[str],
+    intervals: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
 ) -> bytes | None:
-    """Grouped bars of the metrics whose values all lie in [0, 1]."""
+    """Grouped bars of the metrics whose values all lie in [0, 1], with their 95 % intervals
+    as error bars where ``intervals`` has them."""
+    intervals = intervals or {}
     unit = [
         n
         for n in names
@@ -238,13 +263,30 @@ def _metrics_plot(
     for i, m in enumerate(models):
         values = [_number(metrics[m].get(n)) for n in unit]
         xs = [j + (i - (len(models) - 1) / 2) * width for j in range(len(unit))]
+        shown = [(x, v, n) for x, v, n in zip(xs, values, unit, strict=True) if v is not None]
         ax.bar(
-            [x for x, v in zip(xs, values, strict=True) if v is not None],
-            [v for v in values if v is not None],
+            [x for x, _, _ in shown],
+            [v for _, v, _ in shown],
             width,
             label=MODEL_LABELS[m],
             color=COLORS[m],
         )
+        bars = [
+            (x, v, ci) for x, v, n in shown if (ci := intervals.get(m, {}).get(n)) is not None
+        ]
+        if bars:
+            ax.errorbar(
+                [x for x, _, _ in bars],
+                [v for _, v, _ in bars],
+                yerr=[
+                    [max(0.0, v - ci[0]) for _, v, ci in bars],
+                    [max(0.0, ci[1] - v) for _, v, ci in bars],
+                ],
+                fmt="none",
+                ecolor="#222",
+                capsize=2,
+                linewidth=0.8,
+            )
     ax.set_xticks(range(len(unit)), unit, rotation=25, ha="right", fontsize=8)
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
+
+from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY, metric_intervals
 
 
 def json_safe(value: Any, *, non_finite_as_null: bool = False) -> Any:
@@ -35,15 +37,49 @@ def summary_names(metrics: Mapping[str, Mapping[str, Any]], scenario: Any) -> tu
     return (*scenario.summary_metrics, *extra)
 
 
-def format_summary_table(metrics: Mapping[str, Mapping[str, Any]], names: Sequence[str]) -> str:
-    """A fixed-width table: one row per metric, one column per evaluated model."""
+def format_summary_table(
+    metrics: Mapping[str, Mapping[str, Any]],
+    names: Sequence[str],
+    intervals: Mapping[str, Mapping[str, Sequence[float]]] | None = None,
+) -> str:
+    """A fixed-width table: one row per metric, one column per evaluated model, each value with
+    its 95 % interval where ``intervals`` (results.json ``metrics_ci``) has one."""
     columns = [c for c in ("before", "after", "reference") if c in metrics]
+    intervals = intervals or {}
+    cell = 26 if any(intervals.get(c) for c in columns) else 12
     width = max(len(n) for n in names) + 2
-    lines = [f"{'metric':<{width}}" + "".join(f"{c:>12}" for c in columns)]
+    lines = [f"{'metric':<{width}}" + "".join(f"{c:>{cell}}" for c in columns)]
     for name in names:
         cells = []
         for column in columns:
             value = metrics[column].get(name)
-            cells.append(f"{value:>12.4f}" if isinstance(value, int | float) else f"{'-':>12}")
+            text = f"{value:.4f}" if isinstance(value, int | float) else "-"
+            interval = intervals.get(column, {}).get(name)
+            if interval is not None and text != "-":
+                text += f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+            cells.append(f"{text:>{cell}}")
         lines.append(f"{name:<{width}}" + "".join(cells))
     return "\n".join(lines)
+
+
+def take_scores(
+    metrics: MutableMapping[str, Any], seed: int
+) -> tuple[dict[str, Any], dict[str, dict[str, list[float]]]]:
+    """``(scores.json, metrics_ci)`` of a run's ``metrics``, whose per-question ``scores`` and
+    ``score_sets`` are taken out of every stage (results.json keeps the aggregates): scores.json
+    is ``{stage: {metric: [one value per question]}}`` plus ``question_sets`` (``{metric:
+    question set}``, lists of one set score the same questions in the same order);
+    ``metrics_ci`` is ``{stage: {metric: [low, high]}}`` (:func:`metric_intervals`, seeded
+    by ``seed``; forget quality against the reference's forget truth ratios)."""
+    stages = {k: v for k, v in metrics.items() if isinstance(v, MutableMapping)}
+    reference = stages.get("reference")
+    intervals = {
+        stage: metric_intervals(values, None if stage == "reference" else reference, seed=seed)
+        for stage, values in stages.items()
+    }
+    scores: dict[str, Any] = {}
+    sets: dict[str, str] = {}
+    for stage, values in stages.items():
+        scores[stage] = values.pop(SCORES_KEY, {})
+        sets.update(values.pop(SCORE_SETS_KEY, {}))
+    return {**scores, "question_sets": sets}, intervals

@@ -16,7 +16,7 @@ from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from fedunlearn.allocator import return_freed_memory
-from fedunlearn.files import exclusive_folder
+from fedunlearn.files import exclusive_folder, write_file_atomic
 from fedunlearn.mpu import plan_reparam
 from strategies.checkpoint import (
     CHECKPOINT_DIR,
@@ -25,7 +25,7 @@ from strategies.checkpoint import (
 from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.log_progress import progress_in_log
 from strategies.report import write_report
-from strategies.results import format_summary_table, json_safe, summary_names
+from strategies.results import format_summary_table, json_safe, summary_names, take_scores
 from strategies.run_setup import (
     RunModel,
     load_run_model,
@@ -115,17 +115,24 @@ PIPELINES: dict[str, Callable[..., tuple[dict[str, Any], dict[str, Any]]]] = {
 }
 
 
+#: Per-question scores of every evaluated stage, beside results.json (strategies.results)
+SCORES_FILE = "scores.json"
+
+
 def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
-    """results.json (atomically), report.html beside it, then the summary table and sample
-    generations in the log.  A report that cannot be rendered is logged, never fatal: the
-    results are already on disk."""
+    """scores.json and results.json with ``metrics_ci`` (atomically), report.html beside them,
+    then the summary table and sample generations in the log. A report that cannot be
+    rendered is logged, never fatal: the results are already on disk."""
     path = output_dir / "results.json"
+    if metrics:
+        scores, results["metrics_ci"] = take_scores(metrics, int(results["config"]["seed"]))
+        write_file_atomic(output_dir / SCORES_FILE, json.dumps(json_safe(scores)).encode())
     tmp = path.with_suffix(".json.tmp")
     safe = json_safe(results)
     tmp.write_text(json.dumps(safe, indent=2))
     tmp.replace(path)
-    names = summary_names(metrics, scenario)
     try:
+        names = summary_names(metrics, scenario)
         log(INFO, "report written to %s", write_report(safe, names, output_dir / "report.html"))
     except Exception as err:  # the page is a view of results.json, not the result
         log(
@@ -137,7 +144,8 @@ def _write_results(output_dir, results: dict, metrics: dict, scenario) -> None:
     if not metrics:
         log(INFO, "results written to %s (no metrics: evaluate=false)", path)
         return
-    for line in format_summary_table(metrics, summary_names(metrics, scenario)).splitlines():
+    names = summary_names(metrics, scenario)
+    for line in format_summary_table(metrics, names, results.get("metrics_ci")).splitlines():
         log(INFO, "%s", line)
     for line in scenario.sample_lines(metrics["before"], metrics["after"]):
         log(INFO, "%s", line)

@@ -213,7 +213,8 @@ def harness_accuracy(
     """Zero-shot accuracy (lm-eval ``acc``) of ``model`` on four-choice ``records``.
 
     Returns ``{"accuracy", "n", "correct", "chance": 0.25, "per_subject": {name:
-    {"accuracy", "n"}}}``; a record's group is its ``subject``, else ``topic``.
+    {"accuracy", "n"}}, "hits": [1.0 or 0.0 per record]}``; a record's group is its
+    ``subject``, else ``topic``.
     """
     if not records:
         raise ValueError("no records to evaluate")
@@ -233,4 +234,5 @@ def harness_accuracy(
         "per_subject": {
             name: {"accuracy": sum(g) / len(g), "n": len(g)} for name, g in sorted(groups.items())
         },
+        "hits": [float(h) for h in hits],
     }

@@ -37,6 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.evaluation.generation import greedy_generate
+from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY
 from fedunlearn.evaluation.likelihood import answer_nll
 from fedunlearn.evaluation.tofu_logs import read_official_log_dir
 
@@ -165,17 +166,21 @@ def truth_ratio(p_wrong: torch.Tensor, p_correct: torch.Tensor) -> torch.Tensor:
     return truth_ratio_from_nll(-torch.log(p_wrong), -torch.log(p_correct))
 
 
-def truth_ratio_score(truth_ratios: Sequence[float] | torch.Tensor, *, forget: bool) -> float:
-    """Reported truth-ratio score.
-
-    ``forget=True``: ``mean(min(TR, 1/TR))`` (1 = the model cannot tell right from wrong);
-    ``forget=False``: ``mean(max(0, 1 - TR))`` (1 = the correct answer dominates).
-    """
+def truth_ratio_scores(
+    truth_ratios: Sequence[float] | torch.Tensor, *, forget: bool
+) -> torch.Tensor:
+    """Per-question truth-ratio scores (float64): ``min(TR, 1/TR)`` with ``forget=True`` (1 =
+    the model cannot tell right from wrong), ``max(0, 1 - TR)`` otherwise (1 = the correct
+    answer dominates)."""
     tr = torch.as_tensor(truth_ratios, dtype=torch.float64)
     if tr.numel() == 0:
         raise ValueError("no truth ratios")
-    per_question = torch.minimum(tr, 1.0 / tr) if forget else torch.clamp(1.0 - tr, min=0.0)
-    return float(per_question.mean())
+    return torch.minimum(tr, 1.0 / tr) if forget else torch.clamp(1.0 - tr, min=0.0)
+
+
+def truth_ratio_score(truth_ratios: Sequence[float] | torch.Tensor, *, forget: bool) -> float:
+    """Reported truth-ratio score: the mean of :func:`truth_ratio_scores`."""
+    return float(truth_ratio_scores(truth_ratios, forget=forget).mean())
 
 
 def normalized_probability(nll_correct: torch.Tensor, nll_wrong: torch.Tensor) -> torch.Tensor:
@@ -240,7 +245,8 @@ def split_scores(
     truncate: int | None = None,
 ) -> dict[str, Any]:
     """``prob``, ``rouge_l``, ``truth_ratio`` and ``truth_ratios`` of one split from
-    per-question numbers (the model-free half of :func:`evaluate_split`).
+    per-question numbers (the model-free half of :func:`evaluate_split`), and ``per_question``:
+    ``{"prob" | "rouge_l" | "truth_ratio": [one value per question]}``, whose means they are.
 
     Args:
         nll_answer: ``[n]`` mean token NLLs of the answers.
@@ -267,15 +273,22 @@ def split_scores(
     nll_answer, nll_correct = nll_answer[keep].double(), nll_correct[keep].double()
     nll_wrong = nll_wrong[keep].double()
     if kind == "extra":
-        prob = float(normalized_probability(nll_answer, nll_wrong).mean())
+        probs = normalized_probability(nll_answer, nll_wrong)
     else:
-        prob = float(torch.exp(-nll_answer).mean())
+        probs = torch.exp(-nll_answer)
     tr = truth_ratio_from_nll(nll_wrong, nll_correct)
+    tr_scores = truth_ratio_scores(tr, forget=kind == "forget")
+    rouge = rouge_l[keep].double()
     return {
-        "rouge_l": float(rouge_l[keep].double().mean()),
-        "prob": prob,
-        "truth_ratio": truth_ratio_score(tr, forget=kind == "forget"),
+        "rouge_l": float(rouge.mean()),
+        "prob": float(probs.mean()),
+        "truth_ratio": float(tr_scores.mean()),
         "truth_ratios": [float(x) for x in tr.tolist()],
+        "per_question": {
+            "rouge_l": rouge.tolist(),
+            "prob": probs.tolist(),
+            "truth_ratio": tr_scores.tolist(),
+        },
     }
 
 
@@ -367,6 +380,7 @@ def evaluate_split(
     return {
         **scores,
         "exact_match": float(np.mean(em)),
+        "per_question": {**scores["per_question"], "exact_match": [float(x) for x in em]},
         "samples": [
             {"question": q, "answer": a, "generation": g}
             for q, a, g in list(zip(questions, answers, generations, strict=True))[
@@ -399,8 +413,9 @@ def evaluate_tofu(
     ``{split}_truth_ratio`` for each evaluated split, ``forget_quality`` (KS p-value against
     ``reference_truth_ratios``, ``None`` when not given), ``model_utility`` and
     ``forget_truth_ratios`` (per-question list; the reference for another model's forget
-    quality). With ``n_samples > 0`` also ``samples``: ``{split: [{question, answer,
-    generation}, ...]}``.
+    quality), ``scores`` and ``score_sets`` (every split metric's per-question values and
+    their split, :mod:`fedunlearn.evaluation.intervals`). With ``n_samples > 0`` also
+    ``samples``: ``{split: [{question, answer, generation}, ...]}``.
     """
     unknown = set(splits) - set(SPLIT_KINDS)
     if unknown:
@@ -409,6 +424,8 @@ def evaluate_tofu(
         raise ValueError("evaluate_tofu needs a non-empty 'forget' split")
     names = [name for name in SPLIT_KINDS if splits.get(name)]
     result: dict[str, Any] = {}
+    scores: dict[str, list[float]] = {}
+    sets: dict[str, str] = {}
     samples: dict[str, list[dict[str, str]]] = {}
     for name in tqdm(names, desc="TOFU eval", disable=not show_progress):
         split = evaluate_split(
@@ -423,6 +440,8 @@ def evaluate_tofu(
         )
         for metric in ("rouge_l", "exact_match", "prob", "truth_ratio"):
             result[f"{name}_{metric}"] = split[metric]
+            scores[f"{name}_{metric}"] = split["per_question"][metric]
+            sets[f"{name}_{metric}"] = name
         if name == "forget":
             result["forget_truth_ratios"] = split["truth_ratios"]
         if n_samples > 0:
@@ -439,6 +458,7 @@ def evaluate_tofu(
         for metric in _UTILITY_METRICS
     ]
     result["model_utility"] = model_utility(utility_values) if utility_values else None
+    result[SCORES_KEY], result[SCORE_SETS_KEY] = scores, sets
     if n_samples > 0:
         result["samples"] = samples
     return result

@@ -581,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     from strategies.results import format_summary_table
 
     scenario = get_scenario(data["config"]["scenario.name"])
-    print(format_summary_table(data["metrics"], scenario.summary_metrics))
+    print(format_summary_table(data["metrics"], scenario.summary_metrics, data.get("metrics_ci")))
     print(f"\nrun {outcome.run_id}: {outcome.status}\nresults: {outcome.results}")
     return 0
 

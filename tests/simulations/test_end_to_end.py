@@ -10,6 +10,7 @@ import html
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from simulations import compact_check, run_local
@@ -58,7 +59,10 @@ def test_report_html_shows_the_run(results_path, results):
     assert "http://" not in page and "https://" not in page and "<link" not in page
     for metric in ("forget_rouge_l", "model_utility"):
         for model in ("before", "after", "reference"):
-            assert f"<td>{results['metrics'][model][metric]:.4g}</td>" in page, (metric, model)
+            value = results["metrics"][model][metric]
+            low, high = results["metrics_ci"][model][metric]
+            shown = f"<td>{value:.4g} <span class='note'>[{low:.3g}, {high:.3g}]</span></td>"
+            assert shown in page, (metric, model)
     rows = [
         f"<td>{c['node_id']}</td><td>{c['role']}</td><td>{c['domain']}</td>"
         for c in results["clients"]
@@ -72,6 +76,36 @@ def test_report_html_shows_the_run(results_path, results):
     after = results["metrics"]["after"]["samples"]["forget"][0]["generation"]
     before = results["metrics"]["before"]["samples"]["forget"][0]["generation"]
     assert html.escape(after, quote=True) in page and html.escape(before, quote=True) in page
+
+
+def test_scores_json_holds_every_mean_metrics_questions_and_the_intervals_agree(
+    results_path, results
+):
+    """scores.json: per stage, every metric that is a mean over questions as its list (in one
+    question order for every stage); results.json: a 95 % interval for each and for the
+    derived metrics; an interval recomputed from scores.json by numpy's own resampling
+    agrees."""
+    scores = json.loads((results_path.parent / "scores.json").read_text())
+    metrics, intervals = results["metrics"], results["metrics_ci"]
+    assert set(scores) == {"before", "after", "reference", "question_sets"}
+    means = [f"{s}_{m}" for s in ("forget", "retain") for m in ("rouge_l", "prob", "exact_match")]
+    for stage in ("before", "after", "reference"):
+        assert "scores" not in metrics[stage] and set(means) <= set(scores[stage])
+        for name, values in scores[stage].items():
+            assert len(values) == len(scores["before"][name])
+            assert sum(values) / len(values) == pytest.approx(metrics[stage][name], abs=1e-12)
+            low, high = intervals[stage][name]
+            assert low <= metrics[stage][name] <= high, (stage, name)
+        low, high = intervals[stage]["model_utility"]
+        assert low <= metrics[stage]["model_utility"] <= high
+    assert scores["question_sets"]["forget_rouge_l"] == "forget"
+    assert len(scores["after"]["forget_rouge_l"]) == 20  # 2 forget authors × 10 QA
+    low, high = intervals["after"]["forget_quality"]
+    assert 0 <= low <= metrics["after"]["forget_quality"] <= high <= 1
+    values = np.asarray(scores["after"]["forget_rouge_l"])
+    resampled = values[np.random.default_rng(99).integers(0, 20, size=(20000, 20))].mean(axis=1)
+    expected = np.percentile(resampled, [2.5, 97.5])
+    assert intervals["after"]["forget_rouge_l"] == pytest.approx(expected, abs=0.02)
 
 
 def test_substrate_knows_the_authors(results):

@@ -190,9 +190,15 @@ def test_evaluate_muse_on_tiny_random_model(tiny_model, tiny_tokenizer, small_da
         n_samples=2,
     )
     keys = {"knowmem_forget", "knowmem_retain", "verbmem_forget", "privleak_auc", "privleak"}
-    assert set(result) == keys | {"samples"}
+    assert set(result) == keys | {"samples", "scores", "score_sets"}
     for key in keys - {"privleak"}:
         assert 0.0 <= result[key] <= 1.0
+    # every mean metric with its per-item values, each list its own item set
+    means = {"knowmem_forget", "knowmem_retain", "verbmem_forget"}
+    assert set(result["scores"]) == means and result["score_sets"] == {k: k for k in means}
+    for key in means:
+        assert result[key] == pytest.approx(sum(result["scores"][key]) / len(result["scores"][key]))
+    assert len(result["scores"]["knowmem_forget"]) == len(small_data.forget_qa)
     assert result["privleak"] is None
     samples = result["samples"]
     assert [s["question"] for s in samples["knowmem_forget"]] == [
@@ -313,7 +319,8 @@ def test_real_muse_subset_evaluates_on_a_tiny_model(tiny_model, tiny_tokenizer) 
     kwargs = {"batch_size": 2, "max_new_tokens": 4, "n_samples": 1}
     result = scenario.evaluate(tiny_model, tiny_tokenizer, **kwargs)
     keys = {"knowmem_forget", "knowmem_retain", "verbmem_forget", "privleak_auc"}
-    assert set(result) == keys | {"privleak", "samples"} and result["privleak"] is None
+    assert set(result) == keys | {"privleak", "samples", "scores", "score_sets"}
+    assert result["privleak"] is None
     assert all(0.0 <= result[key] <= 1.0 for key in keys)
     probe = result["samples"]["verbmem_forget"][0]
     assert (probe["prompt"], probe["gt"]) == (
