@@ -8,8 +8,9 @@ Flower run per point would produce the same uploads (seeded) and differ only in 
 
     python -m simulations.sweep --strategies firm,fulm,ties,sum,avg --run-config "..."
 
-Writes ``points/<merge>-g<γ>.json``, ``summary.json``, ``summary.md`` and
-``frontier.png`` into the output folder.
+Writes ``points/<merge>-g<γ>.json`` (each with its ``evaluation``: the metrics with their
+per-question scores, which ``python -m simulations.compare`` reads), ``summary.json``,
+``summary.md`` and ``frontier.png`` into the output folder.
 """
 
 from __future__ import annotations
@@ -211,8 +212,12 @@ def sweep(
             "metrics": {k: metrics.get(k) for k in metric_names},
             "how": "re-merge of the uploads saved by one Flower simulation",
         }
+        # with every per-question score, for simulations.compare (paired intervals)
+        evaluation = {k: v for k, v in metrics.items() if k != "samples"}
         (output_dir / "points" / f"{strategy}-g{gamma:g}.json").write_text(
-            json.dumps(json_safe({**point, "report": result.report}), indent=2)
+            json.dumps(
+                json_safe({**point, "report": result.report, "evaluation": evaluation}), indent=2
+            )
         )
         points.append(point)
     points += [flower_run_point(p, run_results["config"], metric_names) for p in runs]

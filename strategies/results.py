@@ -8,7 +8,12 @@ from typing import Any
 
 import torch
 
-from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY, metric_intervals
+from fedunlearn.evaluation.intervals import (
+    QUESTIONS_KEY,
+    SCORE_SETS_KEY,
+    SCORES_KEY,
+    metric_intervals,
+)
 
 
 def json_safe(value: Any, *, non_finite_as_null: bool = False) -> Any:
@@ -68,7 +73,8 @@ def take_scores(
     """``(scores.json, metrics_ci)`` of a run's ``metrics``, whose per-question ``scores`` and
     ``score_sets`` are taken out of every stage (results.json keeps the aggregates): scores.json
     is ``{stage: {metric: [one value per question]}}`` plus ``question_sets`` (``{metric:
-    question set}``, lists of one set score the same questions in the same order);
+    question set}``, lists of one set score the same questions in the same order) and
+    ``question_digests`` (``{question set: sha256 of its questions}``);
     ``metrics_ci`` is ``{stage: {metric: [low, high]}}`` (:func:`metric_intervals`, seeded
     by ``seed``; forget quality against the reference's forget truth ratios)."""
     stages = {k: v for k, v in metrics.items() if isinstance(v, MutableMapping)}
@@ -79,7 +85,9 @@ def take_scores(
     }
     scores: dict[str, Any] = {}
     sets: dict[str, str] = {}
+    digests: dict[str, str] = {}
     for stage, values in stages.items():
         scores[stage] = values.pop(SCORES_KEY, {})
         sets.update(values.pop(SCORE_SETS_KEY, {}))
-    return {**scores, "question_sets": sets}, intervals
+        digests.update(values.pop(QUESTIONS_KEY, {}))
+    return {**scores, "question_sets": sets, "question_digests": digests}, intervals

@@ -25,7 +25,7 @@ from transformers import (
 
 from fedunlearn.benchmarks.mmlu_files import load_mmlu_csv, mmlu_subset
 from fedunlearn.evaluation.harness_mc import harness_accuracy
-from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY
+from fedunlearn.evaluation.intervals import record_scores
 from fedunlearn.files import default_cache_dir
 from fedunlearn.models.finetuned import FINETUNED_INFO, FinetuneRecipe, ensure_finetuned
 from fedunlearn.models.llama import load_local_causal_lm, resolve_dtype
@@ -193,8 +193,8 @@ def evaluate_model(
         )
         metrics["mmlu_accuracy"] = mmlu["accuracy"]
         metrics["mmlu_questions"] = mmlu["n"]
-        metrics.setdefault(SCORES_KEY, {})["mmlu_accuracy"] = mmlu["hits"]
-        metrics.setdefault(SCORE_SETS_KEY, {})["mmlu_accuracy"] = "mmlu"
+        questions = [r["question"] for r in run_model.general_questions]
+        record_scores(metrics, "mmlu_accuracy", mmlu["hits"], "mmlu", questions)
     log(INFO, "evaluated %s model in %.1f s", name, time.perf_counter() - started)
     return metrics
 

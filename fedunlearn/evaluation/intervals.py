@@ -20,8 +20,10 @@ A metric without per-question values (e.g. PrivLeak, from one AUC) gets no inter
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,8 +32,25 @@ from scipy import stats
 
 SCORES_KEY = "scores"  # a stage's metrics: {metric: [one value per question or item]}
 SCORE_SETS_KEY = "score_sets"  # {metric: the question set its list scores}
+QUESTIONS_KEY = "question_digests"  # {question set: question_digest of its questions}
 RESAMPLES = 1000
 LEVEL = 0.95
+
+
+def question_digest(texts: Iterable[str]) -> str:
+    """sha256 of a question set's texts in order: two runs scored the same questions in the
+    same order exactly when their digests agree."""
+    return hashlib.sha256(json.dumps([str(t) for t in texts]).encode()).hexdigest()
+
+
+def record_scores(
+    metrics: dict[str, Any], name: str, values: Sequence[float], question_set: str, texts: Any
+) -> None:
+    """Add metric ``name``'s per-question ``values`` to ``metrics`` (``scores``,
+    ``score_sets`` and the set's ``question_digests`` from its question ``texts``)."""
+    metrics.setdefault(SCORES_KEY, {})[name] = [float(v) for v in values]
+    metrics.setdefault(SCORE_SETS_KEY, {})[name] = question_set
+    metrics.setdefault(QUESTIONS_KEY, {})[question_set] = question_digest(texts)
 
 
 class Resampler:
@@ -118,6 +137,42 @@ DERIVED: dict[str, DerivedMetric] = {
 }
 
 
+def resampled_metrics(
+    metrics: Mapping[str, Any],
+    reference: Mapping[str, Any] | None = None,
+    *,
+    resamples: int = RESAMPLES,
+    seed: int = 0,
+) -> dict[str, np.ndarray]:
+    """``{metric: [resamples] values}``: every metric of one stage's ``metrics`` that has
+    per-question scores or is derived from them, on each bootstrap resample of its questions
+    (``reference``: the reference model's metrics, for forget quality). Two stages or runs
+    resampled with the same ``seed`` see the same resamples of a question set of the same
+    size: their differences per resample are paired."""
+    if resamples < 1:
+        raise ValueError(f"need resamples >= 1, got {resamples}")
+    resampler = Resampler(metrics, resamples, seed)
+    out: dict[str, np.ndarray] = {}
+    for name in resampler.scores:
+        if name in metrics and name not in DERIVED:
+            out[name] = resampler.values(name).mean(axis=1)
+    for name, derived in DERIVED.items():
+        present = all(n in resampler.scores or n in metrics for n in derived.needs)
+        has_reference = all(reference and reference.get(n) for n in derived.reference)
+        if name in metrics and metrics[name] is not None and present and has_reference:
+            out[name] = derived.compute(resampler, reference)
+    return out
+
+
+def percentile_interval(values: np.ndarray, level: float = LEVEL) -> list[float]:
+    """``[low, high]``: the central ``level`` percentile interval of ``values`` (NaNs,
+    resamples where a value is undefined, left out)."""
+    if not 0 < level < 1:
+        raise ValueError(f"need 0 < level < 1, got {level}")
+    tails = [50 * (1 - level), 100 - 50 * (1 - level)]
+    return [float(v) for v in np.nanpercentile(values, tails)]
+
+
 def metric_intervals(
     metrics: Mapping[str, Any],
     reference: Mapping[str, Any] | None = None,
@@ -127,21 +182,8 @@ def metric_intervals(
     level: float = LEVEL,
 ) -> dict[str, list[float]]:
     """``{metric: [low, high]}``: the percentile-bootstrap ``level`` interval of every metric
-    of one stage's ``metrics`` that has per-question scores or is derived from them
-    (``reference``: the reference model's metrics, for forget quality)."""
-    if resamples < 1 or not 0 < level < 1:
-        raise ValueError(f"need resamples >= 1 and 0 < level < 1, got {resamples}, {level}")
-    resampler = Resampler(metrics, resamples, seed)
-    tails = [50 * (1 - level), 100 - 50 * (1 - level)]
-    out: dict[str, list[float]] = {}
-    for name in resampler.scores:
-        if name in metrics and name not in DERIVED:
-            means = resampler.values(name).mean(axis=1)
-            out[name] = [float(v) for v in np.percentile(means, tails)]
-    for name, derived in DERIVED.items():
-        present = all(n in resampler.scores or n in metrics for n in derived.needs)
-        has_reference = all(reference and reference.get(n) for n in derived.reference)
-        if name in metrics and metrics[name] is not None and present and has_reference:
-            values = derived.compute(resampler, reference)
-            out[name] = [float(v) for v in np.percentile(values, tails)]
-    return out
+    of :func:`resampled_metrics`."""
+    if not 0 < level < 1:
+        raise ValueError(f"need 0 < level < 1, got {level}")
+    drawn = resampled_metrics(metrics, reference, resamples=resamples, seed=seed)
+    return {name: percentile_interval(values, level) for name, values in drawn.items()}

@@ -20,7 +20,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.benchmarks.wmdp import WmdpData
-from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY
+from fedunlearn.evaluation.intervals import record_scores
 from fedunlearn.evaluation.likelihood import answer_nll
 
 TIE_TOLERANCE = 1e-6
@@ -137,8 +137,9 @@ def evaluate_wmdp(
         questions, 0.25 for four options), ``num_questions`` (per domain and ``general``) and
         ``samples``: per domain (and ``general``) the first ``n_samples`` questions with the
         ``chosen`` and ``correct`` choice texts. An accuracy over zero questions is None.
-        ``scores`` / ``score_sets``: every accuracy's per-question correctness (1 or 0) and
-        its question set (:mod:`fedunlearn.evaluation.intervals`).
+        ``scores`` / ``score_sets`` / ``question_digests``: every accuracy's per-question
+        correctness (1 or 0), its question set and that set's digest
+        (:mod:`fedunlearn.evaluation.intervals`).
     """
     chosen_domains = data.domains if domains is None else list(domains)
     unknown = [d for d in chosen_domains if d not in data.questions]
@@ -158,8 +159,7 @@ def evaluate_wmdp(
     counts: dict[str, int] = {}
     inverse_choices: list[float] = []
     accuracies: dict[str, float | None] = {}
-    scores: dict[str, list[float]] = {}
-    score_sets: dict[str, str] = {}
+    scores: dict[str, Any] = {}  # the per-question correctness (record_scores)
     for name, questions in sets.items():
         counts[name] = len(questions)
         if not questions:
@@ -171,7 +171,7 @@ def evaluate_wmdp(
         correct = [p == int(q["answer"]) for p, q in zip(predicted, questions, strict=True)]
         accuracies[name] = sum(correct) / len(correct)
         metric = "general_accuracy" if name == "general" else f"accuracy_{name}"
-        scores[metric], score_sets[metric] = [float(c) for c in correct], name
+        record_scores(scores, metric, correct, name, [q["question"] for q in questions])
         inverse_choices.extend(1.0 / len(q["choices"]) for q in questions)
         samples[name] = [
             {
@@ -191,5 +191,5 @@ def evaluate_wmdp(
     report["chance"] = sum(inverse_choices) / len(inverse_choices) if inverse_choices else None
     report["num_questions"] = counts
     report["samples"] = samples
-    report[SCORES_KEY], report[SCORE_SETS_KEY] = scores, score_sets
+    report.update(scores)
     return report

@@ -26,7 +26,7 @@ from scipy import stats
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.evaluation.generation import greedy_from_ids, greedy_generate
-from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY
+from fedunlearn.evaluation.intervals import record_scores
 from fedunlearn.evaluation.likelihood import (
     eval_mode,
     length_sorted_batches,
@@ -272,7 +272,7 @@ def evaluate_muse(
         gt, generation}]}``.
     """
     result: dict[str, Any] = {}
-    per_item: dict[str, list[float]] = {}
+    per_item: dict[str, Any] = {}  # every list its own item set (record_scores)
     samples: dict[str, list[dict[str, str]]] = {"knowmem_forget": [], "verbmem_forget": []}
     n_show = max(n_samples, 0)
     for name, records in (("forget", data.forget_qa), ("retain", data.retain_qa)):
@@ -283,7 +283,9 @@ def evaluate_muse(
             model, tokenizer, records, batch_size=batch_size, max_new_tokens=max_new_tokens
         )
         result[f"knowmem_{name}"] = score
-        per_item[f"knowmem_{name}"] = rouge_l_f1(generations, [str(r["answer"]) for r in records])
+        values = rouge_l_f1(generations, [str(r["answer"]) for r in records])
+        questions = [r["question"] for r in records]
+        record_scores(per_item, f"knowmem_{name}", values, f"knowmem_{name}", questions)
         if name == "forget":
             samples["knowmem_forget"] = [
                 {"question": str(r["question"]), "answer": str(r["answer"]), "generation": g}
@@ -298,7 +300,9 @@ def evaluate_muse(
             max_new_tokens=verbmem_max_new_tokens,
         )
         result["verbmem_forget"] = score
-        per_item["verbmem_forget"] = rouge_l_f1(generations, [str(p["gt"]) for p in data.verbmem])
+        values = rouge_l_f1(generations, [str(p["gt"]) for p in data.verbmem])
+        prompts = [p["prompt"] for p in data.verbmem]
+        record_scores(per_item, "verbmem_forget", values, "verbmem_forget", prompts)
         samples["verbmem_forget"] = [
             {"prompt": str(p["prompt"]), "gt": str(p["gt"]), "generation": g}
             for p, g in list(zip(data.verbmem, generations, strict=True))[:n_show]
@@ -322,7 +326,5 @@ def evaluate_muse(
         else privleak(result["privleak_auc"], retrain_auc)
     )
     result["samples"] = samples
-    # every list its own question set: KnowMem forget / retain and VerbMem probe other items
-    result[SCORES_KEY] = {k: [float(v) for v in values] for k, values in per_item.items()}
-    result[SCORE_SETS_KEY] = {k: k for k in per_item}
+    result.update(per_item)
     return result

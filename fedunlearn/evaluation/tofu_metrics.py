@@ -37,7 +37,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from fedunlearn.evaluation.generation import greedy_generate
-from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY
+from fedunlearn.evaluation.intervals import record_scores
 from fedunlearn.evaluation.likelihood import answer_nll
 from fedunlearn.evaluation.tofu_logs import read_official_log_dir
 
@@ -413,8 +413,9 @@ def evaluate_tofu(
     ``{split}_truth_ratio`` for each evaluated split, ``forget_quality`` (KS p-value against
     ``reference_truth_ratios``, ``None`` when not given), ``model_utility`` and
     ``forget_truth_ratios`` (per-question list; the reference for another model's forget
-    quality), ``scores`` and ``score_sets`` (every split metric's per-question values and
-    their split, :mod:`fedunlearn.evaluation.intervals`). With ``n_samples > 0`` also
+    quality), ``scores``, ``score_sets`` and ``question_digests`` (every split metric's
+    per-question values, their split and its questions' digest,
+    :mod:`fedunlearn.evaluation.intervals`). With ``n_samples > 0`` also
     ``samples``: ``{split: [{question, answer, generation}, ...]}``.
     """
     unknown = set(splits) - set(SPLIT_KINDS)
@@ -424,8 +425,7 @@ def evaluate_tofu(
         raise ValueError("evaluate_tofu needs a non-empty 'forget' split")
     names = [name for name in SPLIT_KINDS if splits.get(name)]
     result: dict[str, Any] = {}
-    scores: dict[str, list[float]] = {}
-    sets: dict[str, str] = {}
+    scores: dict[str, Any] = {}  # the per-question values (record_scores)
     samples: dict[str, list[dict[str, str]]] = {}
     for name in tqdm(names, desc="TOFU eval", disable=not show_progress):
         split = evaluate_split(
@@ -440,8 +440,10 @@ def evaluate_tofu(
         )
         for metric in ("rouge_l", "exact_match", "prob", "truth_ratio"):
             result[f"{name}_{metric}"] = split[metric]
-            scores[f"{name}_{metric}"] = split["per_question"][metric]
-            sets[f"{name}_{metric}"] = name
+            questions = [r["question"] for r in splits[name]]
+            record_scores(
+                scores, f"{name}_{metric}", split["per_question"][metric], name, questions
+            )
         if name == "forget":
             result["forget_truth_ratios"] = split["truth_ratios"]
         if n_samples > 0:
@@ -458,7 +460,7 @@ def evaluate_tofu(
         for metric in _UTILITY_METRICS
     ]
     result["model_utility"] = model_utility(utility_values) if utility_values else None
-    result[SCORES_KEY], result[SCORE_SETS_KEY] = scores, sets
+    result.update(scores)
     if n_samples > 0:
         result["samples"] = samples
     return result

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from simulations import magnitude, multi_retain, sweep
+from simulations import compare, magnitude, multi_retain, sweep
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +36,15 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
     assert len(summary["matched_forgetting"]) == 2  # every FIRM point vs its nearest SUM point
     assert "Matched forgetting" in (out / "summary.md").read_text()
     assert (out / "frontier.png").stat().st_size > 10_000
+    # the points keep their per-question scores: a paired comparison of the sweep's points
+    compared = compare.compare([out], resamples=200)
+    assert compared["points"] == ["firm γ=1", "firm γ=4", "sum γ=0.5"]
+    rows = compared["paired"]["firm γ=4"]
+    by_gamma = {p["gamma"]: p["metrics"] for p in summary["points"] if p["strategy"] == "firm"}
+    for name in ("forget_rouge_l", "model_utility", "retain_exact_match"):
+        assert rows[name]["difference"] == pytest.approx(by_gamma[1.0][name] - by_gamma[4.0][name])
+        low, high = rows[name]["interval"]
+        assert low <= high
     # re-using the finished Flower run gives the same numbers
     again = sweep.sweep(["firm"], {"firm": [1.0]}, "", out, reuse_run=True)
     assert again["points"][0]["metrics"] == summary["points"][0]["metrics"]

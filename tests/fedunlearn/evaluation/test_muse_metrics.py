@@ -190,7 +190,7 @@ def test_evaluate_muse_on_tiny_random_model(tiny_model, tiny_tokenizer, small_da
         n_samples=2,
     )
     keys = {"knowmem_forget", "knowmem_retain", "verbmem_forget", "privleak_auc", "privleak"}
-    assert set(result) == keys | {"samples", "scores", "score_sets"}
+    assert set(result) == keys | {"samples", "scores", "score_sets", "question_digests"}
     for key in keys - {"privleak"}:
         assert 0.0 <= result[key] <= 1.0
     # every mean metric with its per-item values, each list its own item set
@@ -319,7 +319,7 @@ def test_real_muse_subset_evaluates_on_a_tiny_model(tiny_model, tiny_tokenizer) 
     kwargs = {"batch_size": 2, "max_new_tokens": 4, "n_samples": 1}
     result = scenario.evaluate(tiny_model, tiny_tokenizer, **kwargs)
     keys = {"knowmem_forget", "knowmem_retain", "verbmem_forget", "privleak_auc"}
-    assert set(result) == keys | {"privleak", "samples", "scores", "score_sets"}
+    assert set(result) == keys | {"privleak", "samples", "scores", "score_sets", "question_digests"}
     assert result["privleak"] is None
     assert all(0.0 <= result[key] <= 1.0 for key in keys)
     probe = result["samples"]["verbmem_forget"][0]
