@@ -271,9 +271,7 @@ def _metrics_plot(
             label=MODEL_LABELS[m],
             color=COLORS[m],
         )
-        bars = [
-            (x, v, ci) for x, v, n in shown if (ci := intervals.get(m, {}).get(n)) is not None
-        ]
+        bars = [(x, v, ci) for x, v, n in shown if (ci := intervals.get(m, {}).get(n)) is not None]
         if bars:
             ax.errorbar(
                 [x for x, _, _ in bars],
