@@ -2,12 +2,18 @@
 
     python -m simulations.mc_eval [--model smollm2-135m | --model-path DIR_OR_GGUF]
         [--data-root ../shared/data] [--mmlu-subjects 10] [--mmlu-per-subject 10] [--seed 0]
+        [--against-lm-eval N]
 
 The lm-eval-harness convention (``fedunlearn.evaluation.harness_mc``: its zero-shot prompt,
 the summed log-likelihood of " A" … " D"), on a seeded MMLU test subset and on every question
 of ``wmdp-bio-200``. Besides accuracy it prints how often the model predicted each letter
 and how often each letter is the answer: a model that always answers one letter scores
 exactly that letter's share, which is what chance looks like on a skewed set.
+
+``--against-lm-eval N`` also scores the first N MMLU questions of the subset with
+lm-evaluation-harness itself (``fedunlearn.evaluation.lm_eval_check``; the ``lm-eval``
+package of the development install) and prints the largest difference of a log-likelihood
+and the questions whose prediction differs.
 """
 
 from __future__ import annotations
@@ -59,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mmlu-per-subject", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--against-lm-eval", type=int, default=0, help="compare N MMLU questions with lm-eval"
+    )
     args = parser.parse_args(argv)
     cache = run_local.default_cache_dir()
     path = args.model_path or pretrained_checkpoint(args.model, cache)
@@ -84,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
         predicted = "/".join(str(v) for v in r["predicted"].values())
         answers = "/".join(str(v) for v in r["answers"].values())
         print(f"{name:<14}{r['n']:>5}{r['accuracy']:>10.3f}  {predicted:<18} {answers}")
+    if args.against_lm_eval > 0:
+        from fedunlearn.evaluation.lm_eval_check import compare_with_lm_eval
+
+        check = compare_with_lm_eval(model, tokenizer, mmlu[: args.against_lm_eval])
+        results["lm_eval_check"] = check
+        print(
+            f"lm-eval check on {check['questions']} MMLU questions: largest |difference| of a "
+            f"log-likelihood {check['max_abs_difference']:.2e}, predictions that differ: "
+            f"{check['predictions_differ'] or 'none'}"
+        )
     if args.output:
         args.output.write_text(json.dumps(results, indent=2))
     return 0

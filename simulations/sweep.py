@@ -7,10 +7,13 @@ clients train from the same θ₀ whatever the server does with their uploads, s
 Flower run per point would produce the same uploads (seeded) and differ only in cost.
 
     python -m simulations.sweep --strategies firm,fulm,ties,sum,avg --run-config "..."
+        [--seeds 0,1,2]
 
 Writes ``points/<merge>-g<γ>.json`` (each with its ``evaluation``: the metrics with their
 per-question scores, which ``python -m simulations.compare`` reads), ``summary.json``,
-``summary.md`` and ``frontier.png`` into the output folder.
+``summary.md`` and ``frontier.png`` into the output folder; with ``--seeds`` one such sweep
+per client-training seed in ``seed-<s>/`` and ``seeds.md`` / ``seeds.json`` beside them
+(:mod:`simulations.sweep_seeds`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from fedunlearn.merging import ClientUpdate, apply_delta
 from fedunlearn.uploads import load_uploads
 from simulations import run_local
 from simulations.frontier import matched_forgetting, plot_frontier, summary_markdown
+from simulations.sweep_seeds import seeds_markdown, write_seed_summary
 from strategies.merge_plugins import merge_kwargs, resolve_merge
 from strategies.results import json_safe
 from strategies.run_setup import RunModel, evaluate_model, load_run_model
@@ -259,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
         help="re-merge the uploads of an earlier run in --output-dir",
     )
     parser.add_argument(
+        "--seeds",
+        default="",
+        help="client-training seeds, e.g. 0,1,2: the sweep once per training.seed, then "
+        "seeds.md / seeds.json (mean, between-seed sd, interval over seeds and questions)",
+    )
+    parser.add_argument(
         "--add-runs",
         type=Path,
         nargs="*",
@@ -271,6 +281,22 @@ def main(argv: list[str] | None = None) -> int:
     grids = parse_gammas(args.gammas, strategies)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     output_dir = (args.output_dir or run_local.REPO_ROOT / "outputs" / f"sweep-{stamp}").resolve()
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    if seeds:
+        folders = {}
+        for seed in seeds:
+            folders[seed] = output_dir / f"seed-{seed}"
+            summary = sweep(
+                strategies,
+                grids,
+                f"{args.run_config} training.seed={seed}",
+                folders[seed],
+                reuse_run=args.reuse_run,
+            )
+        combined = write_seed_summary(output_dir, folders, summary["metric_names"])
+        print(seeds_markdown(combined["points"], seeds, summary["metric_names"]))
+        print(f"\nsweeps written to {output_dir}/seed-*, seeds.md beside them")
+        return 0
     summary = sweep(
         strategies,
         grids,

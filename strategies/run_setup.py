@@ -219,7 +219,7 @@ def client_settings(settings: RunSettings) -> dict[str, Any]:
         "task-vector-upload": settings.upload.task_vector,
         "fisher-upload": settings.upload.fisher,
         "fisher-upload-fraction": settings.upload.fisher_fraction,
-        "seed": settings.seed,
+        "seed": settings.client_seed(),
         "client-threads": settings.training.client_threads,
         "activation-checkpointing": settings.activation_checkpointing(),
     }

@@ -402,6 +402,10 @@ class RunSettings:
             )
         return resolved
 
+    def client_seed(self) -> int:
+        """The seed of the clients' local training: ``training.seed``, or ``seed`` (-1)."""
+        return self.training.seed if self.training.seed >= 0 else self.seed
+
     def activation_checkpointing(self) -> bool:
         """Whether clients recompute activations in training (``training.activation-
         checkpointing``; auto: for a registry model or a checkpoint, not the built-in model)."""

@@ -9,6 +9,7 @@ from fedunlearn.options import (
     POSITIVE_INT,
     POSITIVE_INT_OR_SCENARIO,
     POSITIVE_OR_SCENARIO,
+    Number,
     OneOf,
     Parsed,
     option,
@@ -50,6 +51,12 @@ class TrainingOptions:
         POSITIVE_OR_SCENARIO,
     )
     batch_size: int = option(8, "local batch size", POSITIVE_INT)
+    seed: int = option(
+        -1,
+        "seeds the clients' local training alone (batch order, LoRA initialisation, refusal "
+        "answers); the data, the model and the evaluation keep seed; -1 = seed",
+        Number(low=0, special=((-1.0, "the run's seed"),)),
+    )
     finetune: str = option(
         "lora",
         "lora, or full: clients train the targeted weights themselves (dense task vectors; "

@@ -2,9 +2,10 @@
 
 import json
 
+import numpy as np
 import pytest
 
-from simulations import compare, magnitude, multi_retain, sweep
+from simulations import compare, magnitude, multi_retain, sweep, sweep_seeds
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,48 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
     # re-using the finished Flower run gives the same numbers
     again = sweep.sweep(["firm"], {"firm": [1.0]}, "", out, reuse_run=True)
     assert again["points"][0]["metrics"] == summary["points"][0]["metrics"]
+
+
+def test_sweep_over_client_training_seeds(tmp_path, checkpoint):
+    """--seeds: one sweep per training.seed (the clients train differently, the questions stay),
+    then per point the mean, the between-seed sd and the interval over seeds and questions."""
+    out = tmp_path / "seeds"
+    run_config = (
+        f"model.path='{checkpoint}' scenario.num-authors=20 scenario.retain-samples=20 {TINY}"
+    )
+    argv = ["--strategies", "firm", "--gammas", "firm=4", "--run-config", run_config]
+    assert sweep.main([*argv, "--seeds", "0,1", "--output-dir", str(out)]) == 0
+    summary = json.loads((out / "seeds.json").read_text())
+    assert summary["seeds"] == [0, 1]
+    rows = summary["points"]["firm-g4"]
+    per_run = [
+        json.loads((out / f"seed-{s}" / "points" / "firm-g4.json").read_text())["metrics"]
+        for s in (0, 1)
+    ]
+    norms = [
+        json.loads((out / f"seed-{s}" / "points" / "firm-g4.json").read_text())["norm_final"]
+        for s in (0, 1)
+    ]
+    assert norms[0] != norms[1]  # the clients trained differently
+    for metric in ("forget_rouge_l", "model_utility"):
+        row = rows[metric]
+        values = [m[metric] for m in per_run]
+        assert row["per_seed"] == {"0": values[0], "1": values[1]}
+        assert row["mean"] == pytest.approx(sum(values) / 2)
+        assert row["sd"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
+        assert row["interval"][0] <= min(values) and max(values) <= row["interval"][1]
+    assert "firm-g4" in (out / "seeds.md").read_text()
+
+
+def test_seed_interval_reduces_to_the_questions_interval_for_equal_seeds():
+    rng = np.random.default_rng(0)
+    one = {"m": rng.normal(0.5, 0.05, 1000)}
+    assert sweep_seeds.seed_interval([one, one, one], "m", 1000) == pytest.approx(
+        np.percentile(one["m"], [2.5, 97.5])
+    )
+    spread = [{"m": one["m"] + shift} for shift in (-0.2, 0.0, 0.2)]
+    low, high = sweep_seeds.seed_interval(spread, "m", 1000)
+    assert high - low > 0.2  # the between-seed spread widens it
 
 
 def test_multi_retain_exact_beats_increase_only(tmp_path, checkpoint):

@@ -491,3 +491,16 @@ def test_a_group_value_changes_by_a_nested_replace():
     assert cached.model.cache_dir == "/cache" and settings.model.cache_dir == ""
     assert cached.as_dict()["model.cache-dir"] == "/cache"
     assert RunSettings.from_run_config(cached.as_dict()) == cached
+
+
+def test_training_seed_varies_the_clients_training_alone():
+    """``training.seed`` reaches the clients as their seed; the data, the model and the
+    evaluation keep ``seed`` (the substrate and the scenario's records do not change)."""
+    base = RunSettings.from_run_config({"seed": 3})
+    other = RunSettings.from_run_config({"seed": 3, "training.seed": 11})
+    assert (base.client_seed(), other.client_seed()) == (3, 11)
+    assert client_settings(base)["seed"] == 3 and client_settings(other)["seed"] == 11
+    assert other.scenario_params() == base.scenario_params()
+    assert other.substrate_config() == base.substrate_config()
+    with pytest.raises(RunConfigError, match="training.seed"):
+        RunSettings.from_run_config({"training.seed": -2})
