@@ -18,6 +18,10 @@ the run and the question set.
   per resample; the first curve's utility minus each other curve's, with the interval over the
   resamples that reach the level on both curves. The level is ``--forget-level`` or the middle
   of the range every curve spans as measured.
+* **Over seeds.** A ``sweep --seeds`` folder (``seeds.json`` and ``seed-<s>/``): matched
+  forgetting per seed, then the mean difference over the seeds, its between-seed standard
+  deviation and the interval of a two-level bootstrap (seeds drawn with replacement, the same
+  resample of the questions for every seed).
 
 Prints the tables and writes ``--output`` (JSON).
 """
@@ -173,18 +177,17 @@ def _measured_at(level: float, forget: list[float], utility: list[float]) -> flo
     return float(np.interp(level, np.asarray(forget)[order], np.asarray(utility)[order]))
 
 
-def matched_forgetting(
+def _curves_at(
     curves: dict[str, list[Point]],
     forget_metric: str,
     utility_metric: str,
     resamples: int,
     seed: int,
-    level: float | None = None,
-) -> dict[str, Any]:
-    """The first curve's utility minus every other curve's at one forget level, with the
-    interval over the resamples that reach it on both curves."""
-    drawn: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-    measured: dict[str, tuple[list[float], list[float]]] = {}
+    level: float,
+) -> tuple[dict[str, np.ndarray], dict[str, float]]:
+    """Per merge: its utility at ``level`` on every resample (NaN where the resample's curve
+    does not reach it) and on the measured curve."""
+    at_level, point_at = {}, {}
     for merge, points in curves.items():
         per_point = [
             resampled_metrics(p.metrics, p.reference, resamples=resamples, seed=seed)
@@ -196,21 +199,42 @@ def matched_forgetting(
                     raise CompareError(f"{point.source}: no per-question {name} to resample")
         forget = np.stack([v[forget_metric] for v in per_point], axis=1)
         utility = np.stack([v[utility_metric] for v in per_point], axis=1)
-        drawn[merge] = (forget, utility)
-        measured[merge] = (
+        at_level[merge] = _interpolate(level, forget, utility)
+        point_at[merge] = _measured_at(
+            level,
             [float(p.metrics[forget_metric]) for p in points],
             [float(p.metrics[utility_metric]) for p in points],
         )
-    if level is None:
-        low = max(min(f) for f, _ in measured.values())
-        high = min(max(f) for f, _ in measured.values())
-        if low > high:
-            raise CompareError(
-                f"the curves' {forget_metric} ranges do not overlap: pass --forget-level"
-            )
-        level = (low + high) / 2
-    at_level = {m: _interpolate(level, *drawn[m]) for m in curves}
-    point_at = {m: _measured_at(level, *measured[m]) for m in curves}
+    return at_level, point_at
+
+
+def _common_level(curve_sets: list[dict[str, list[Point]]], forget_metric: str) -> float:
+    """The middle of the forget range that every measured curve spans."""
+    ranges = [
+        [float(p.metrics[forget_metric]) for p in points]
+        for curves in curve_sets
+        for points in curves.values()
+    ]
+    low, high = max(min(r) for r in ranges), min(max(r) for r in ranges)
+    if low > high:
+        raise CompareError(
+            f"the curves' {forget_metric} ranges do not overlap: pass --forget-level"
+        )
+    return (low + high) / 2
+
+
+def matched_forgetting(
+    curves: dict[str, list[Point]],
+    forget_metric: str,
+    utility_metric: str,
+    resamples: int,
+    seed: int,
+    level: float | None = None,
+) -> dict[str, Any]:
+    """The first curve's utility minus every other curve's at one forget level, with the
+    interval over the resamples that reach it on both curves."""
+    level = _common_level([curves], forget_metric) if level is None else level
+    at_level, point_at = _curves_at(curves, forget_metric, utility_metric, resamples, seed, level)
     anchor, *others = list(curves)
     rows = {}
     for merge in others:
@@ -232,6 +256,57 @@ def matched_forgetting(
     }
 
 
+def matched_forgetting_over_seeds(
+    seed_curves: dict[int, dict[str, list[Point]]],
+    forget_metric: str,
+    utility_metric: str,
+    resamples: int,
+    seed: int,
+    level: float | None = None,
+) -> dict[str, Any]:
+    """:func:`matched_forgetting` per client-training seed, combined: the mean over seeds of
+    the measured difference, its between-seed sd, and the interval of a two-level bootstrap
+    (seeds drawn with replacement; per resample the same resample of the questions for every
+    seed, the seeds were scored on the same questions)."""
+    sets = list(seed_curves.values())
+    level = _common_level(sets, forget_metric) if level is None else level
+    per_seed = [
+        _curves_at(curves, forget_metric, utility_metric, resamples, seed, level) for curves in sets
+    ]
+    anchor, *others = list(sets[0])
+    rng = np.random.default_rng(seed)
+    chosen = rng.integers(0, len(sets), size=(resamples, len(sets)))
+    rows = {}
+    for merge in others:
+        diffs = np.stack([at[anchor] - at[merge] for at, _ in per_seed])  # [seeds, resamples]
+        combined = np.nanmean(diffs[chosen, np.arange(resamples)[:, None]], axis=1)
+        measured = [at[anchor] - at[merge] for _, at in per_seed]
+        used = int(np.isfinite(combined).sum())
+        rows[merge] = {
+            "difference": float(np.mean(measured)),
+            "per_seed": [float(d) for d in measured],
+            "sd": float(np.std(measured, ddof=1)) if len(measured) > 1 else 0.0,
+            "interval": percentile_interval(combined) if used else None,
+            "resamples_used": used,
+        }
+    return {
+        "anchor": anchor,
+        "forget_metric": forget_metric,
+        "utility_metric": utility_metric,
+        "forget_level": level,
+        "seeds": list(seed_curves),
+        "differences": rows,
+    }
+
+
+def _seed_experiment(folder: Path) -> dict[int, list[Point]] | None:
+    """The points of a ``sweep --seeds`` folder by seed (None: not one)."""
+    if not (folder / "seeds.json").is_file():
+        return None
+    seeds = json.loads((folder / "seeds.json").read_text())["seeds"]
+    return {int(s): _sweep_points(folder / f"seed-{s}") for s in seeds}
+
+
 def compare(
     paths: list[Path],
     *,
@@ -242,6 +317,11 @@ def compare(
     forget_level: float | None = None,
 ) -> dict[str, Any]:
     """The comparison of the module docstring, as one JSON-ready dict."""
+    experiments = [_seed_experiment(Path(p)) for p in paths]
+    if len(paths) == 1 and experiments[0] is not None:
+        return _compare_seeds(
+            experiments[0], resamples, seed, forget_metric, utility_metric, forget_level
+        )
     if len(paths) < 2 and not any((Path(p) / "points").is_dir() for p in paths):
         raise CompareError("give at least two runs (or a sweep folder) to compare")
     points = [point for path in paths for point in load_points(path)]
@@ -263,6 +343,36 @@ def compare(
             curves, forget_metric, utility_metric, resamples, seed, forget_level
         )
     return out
+
+
+def _compare_seeds(
+    experiment: dict[int, list[Point]],
+    resamples: int,
+    seed: int,
+    forget_metric: str,
+    utility_metric: str,
+    forget_level: float | None,
+) -> dict[str, Any]:
+    """Matched forgetting of a ``sweep --seeds`` folder, over its seeds."""
+    check_same_questions([p for points in experiment.values() for p in points])
+    seed_curves = {}
+    for s, points in experiment.items():
+        curves: dict[str, list[Point]] = {}
+        for point in points:
+            curves.setdefault(point.merge, []).append(point)
+        seed_curves[s] = {m: ps for m, ps in curves.items() if len(ps) >= 2}
+        if len(seed_curves[s]) < 2:
+            raise CompareError(f"seed {s}: fewer than two merges with a γ curve")
+    return {
+        "points": [p.label for p in next(iter(experiment.values()))],
+        "resamples": resamples,
+        "seed": seed,
+        "paired": {},
+        "reference_point": "(seeds)",
+        "matched_forgetting": matched_forgetting_over_seeds(
+            seed_curves, forget_metric, utility_metric, resamples, seed, forget_level
+        ),
+    }
 
 
 def format_comparison(result: dict[str, Any]) -> str:
@@ -287,9 +397,10 @@ def format_comparison(result: dict[str, Any]) -> str:
         for merge, row in matched["differences"].items():
             interval = row["interval"]
             shown = "n/a" if interval is None else f"[{interval[0]:+.4f}, {interval[1]:+.4f}]"
+            seeds = f", seeds {matched['seeds']}: sd {row['sd']:.4f}" if "seeds" in matched else ""
             lines.append(
                 f"  {merge:<12} d = {row['difference']:+.4f} {shown} "
-                f"({row['resamples_used']} resamples reach the level)"
+                f"({row['resamples_used']} resamples reach the level{seeds})"
             )
     lines.append("(* : the interval excludes 0)")
     return "\n".join(lines)

@@ -138,3 +138,24 @@ def test_the_command_compares_saved_runs_and_refuses_other_questions(tmp_path, c
     assert "no scores.json beside results.json" in capsys.readouterr().err
     assert cmp.main([str(run_a)]) == 2
     assert "at least two runs" in capsys.readouterr().err
+
+
+def test_matched_forgetting_over_seeds_combines_seeds_and_questions():
+    """Three seeds whose baseline curve sits 0.06, 0.10 and 0.14 below FIRM's: the mean
+    difference 0.10, the between-seed sd 0.04, an interval wider than one seed's."""
+    rng = np.random.default_rng(11)
+    seed_curves = {
+        s: {"firm": _curve("firm", 0.5, 0.45, rng), "sum": _curve("sum", 0.5, 0.45 - gap, rng)}
+        for s, gap in ((0, 0.06), (1, 0.10), (2, 0.14))
+    }
+    result = cmp.matched_forgetting_over_seeds(
+        seed_curves, "forget_rouge", "retain_rouge", 1000, 0, 0.5
+    )
+    row = result["differences"]["sum"]
+    assert result["seeds"] == [0, 1, 2]
+    assert row["difference"] == pytest.approx(0.10, abs=0.02)
+    assert row["sd"] == pytest.approx(0.04, abs=0.015)
+    low, high = row["interval"]
+    one = cmp.matched_forgetting(seed_curves[1], "forget_rouge", "retain_rouge", 1000, 0, 0.5)
+    one_low, one_high = one["differences"]["sum"]["interval"]
+    assert low < row["difference"] < high and high - low > one_high - one_low

@@ -80,6 +80,9 @@ def test_sweep_over_client_training_seeds(tmp_path, checkpoint):
         assert row["sd"] == pytest.approx(abs(values[0] - values[1]) / 2**0.5)
         assert row["interval"][0] <= min(values) and max(values) <= row["interval"][1]
     assert "firm-g4" in (out / "seeds.md").read_text()
+    # compare reads the seeds' sweeps; one merge of one γ has no curve to match
+    with pytest.raises(compare.CompareError, match="seed 0: fewer than two merges"):
+        compare.compare([out], resamples=50)
 
 
 def test_seed_interval_reduces_to_the_questions_interval_for_equal_seeds():
