@@ -87,7 +87,9 @@ def test_scores_json_holds_every_mean_metrics_questions_and_the_intervals_agree(
     agrees."""
     scores = json.loads((results_path.parent / "scores.json").read_text())
     metrics, intervals = results["metrics"], results["metrics_ci"]
-    assert set(scores) == {"before", "after", "reference", "question_sets"}
+    assert set(scores) == {"before", "after", "reference", "question_sets", "question_digests"}
+    # every question set named with the digest of its questions (simulations.compare pairs on it)
+    assert set(scores["question_digests"]) == set(scores["question_sets"].values())
     means = [f"{s}_{m}" for s in ("forget", "retain") for m in ("rouge_l", "prob", "exact_match")]
     for stage in ("before", "after", "reference"):
         assert "scores" not in metrics[stage] and set(means) <= set(scores[stage])
