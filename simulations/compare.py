@@ -177,6 +177,14 @@ def _measured_at(level: float, forget: list[float], utility: list[float]) -> flo
     return float(np.interp(level, np.asarray(forget)[order], np.asarray(utility)[order]))
 
 
+def gamma_curves(points: list[Point]) -> dict[str, list[Point]]:
+    """The points of every merge that has several (a γ curve), by merge, in their order."""
+    curves: dict[str, list[Point]] = {}
+    for point in points:
+        curves.setdefault(point.merge, []).append(point)
+    return {merge: members for merge, members in curves.items() if len(members) >= 2}
+
+
 def _curves_at(
     curves: dict[str, list[Point]],
     forget_metric: str,
@@ -334,10 +342,7 @@ def compare(
         "paired": {p.label: paired_differences(first, p, resamples, seed) for p in points[1:]},
         "reference_point": first.label,
     }
-    curves: dict[str, list[Point]] = {}
-    for point in points:
-        curves.setdefault(point.merge, []).append(point)
-    curves = {m: ps for m, ps in curves.items() if len(ps) >= 2}
+    curves = gamma_curves(points)
     if len(curves) >= 2:
         out["matched_forgetting"] = matched_forgetting(
             curves, forget_metric, utility_metric, resamples, seed, forget_level
@@ -355,12 +360,8 @@ def _compare_seeds(
 ) -> dict[str, Any]:
     """Matched forgetting of a ``sweep --seeds`` folder, over its seeds."""
     check_same_questions([p for points in experiment.values() for p in points])
-    seed_curves = {}
-    for s, points in experiment.items():
-        curves: dict[str, list[Point]] = {}
-        for point in points:
-            curves.setdefault(point.merge, []).append(point)
-        seed_curves[s] = {m: ps for m, ps in curves.items() if len(ps) >= 2}
+    seed_curves = {s: gamma_curves(points) for s, points in experiment.items()}
+    for s in experiment:
         if len(seed_curves[s]) < 2:
             raise CompareError(f"seed {s}: fewer than two merges with a γ curve")
     return {
