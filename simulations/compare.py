@@ -15,9 +15,9 @@ the run and the question set.
   forget quality) recomputed per resample.
 * **Matched forgetting.** Where a merge has several points (a γ curve): its utility
   interpolated linearly at a common forget level along the curve sorted by the forget metric,
-  per resample; the first curve's utility minus each other curve's, with the interval over the
-  resamples that reach the level on both curves. The level is ``--forget-level`` or the middle
-  of the range every curve spans as measured.
+  per resample; FIRM's utility (else the first curve's) minus each other curve's, with the
+  interval over the resamples that reach the level on both curves. The level is
+  ``--forget-level`` or the middle of the range every curve spans as measured.
 * **Over seeds.** A ``sweep --seeds`` folder (``seeds.json`` and ``seed-<s>/``): matched
   forgetting per seed, then the mean difference over the seeds, its between-seed standard
   deviation and the interval of a two-level bootstrap (seeds drawn with replacement, the same
@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,15 @@ def _measured_at(level: float, forget: list[float], utility: list[float]) -> flo
     return float(np.interp(level, np.asarray(forget)[order], np.asarray(utility)[order]))
 
 
+ANCHOR = "firm"  # the merge the others are compared with, where it has a curve
+
+
+def _anchor_first(merges: list[str]) -> tuple[str, list[str]]:
+    """FIRM (else the first merge) and the others, in their order."""
+    anchor = ANCHOR if ANCHOR in merges else merges[0]
+    return anchor, [m for m in merges if m != anchor]
+
+
 def gamma_curves(points: list[Point]) -> dict[str, list[Point]]:
     """The points of every merge that has several (a γ curve), by merge, in their order."""
     curves: dict[str, list[Point]] = {}
@@ -239,11 +249,11 @@ def matched_forgetting(
     seed: int,
     level: float | None = None,
 ) -> dict[str, Any]:
-    """The first curve's utility minus every other curve's at one forget level, with the
-    interval over the resamples that reach it on both curves."""
+    """FIRM's (else the first curve's) utility minus every other curve's at one forget level,
+    with the interval over the resamples that reach it on both curves."""
     level = _common_level([curves], forget_metric) if level is None else level
     at_level, point_at = _curves_at(curves, forget_metric, utility_metric, resamples, seed, level)
-    anchor, *others = list(curves)
+    anchor, others = _anchor_first(list(curves))
     rows = {}
     for merge in others:
         diff = at_level[anchor] - at_level[merge]
@@ -281,13 +291,15 @@ def matched_forgetting_over_seeds(
     per_seed = [
         _curves_at(curves, forget_metric, utility_metric, resamples, seed, level) for curves in sets
     ]
-    anchor, *others = list(sets[0])
+    anchor, others = _anchor_first(list(sets[0]))
     rng = np.random.default_rng(seed)
     chosen = rng.integers(0, len(sets), size=(resamples, len(sets)))
     rows = {}
     for merge in others:
         diffs = np.stack([at[anchor] - at[merge] for at, _ in per_seed])  # [seeds, resamples]
-        combined = np.nanmean(diffs[chosen, np.arange(resamples)[:, None]], axis=1)
+        with warnings.catch_warnings():  # a resample whose drawn seeds all miss the level
+            warnings.simplefilter("ignore", RuntimeWarning)
+            combined = np.nanmean(diffs[chosen, np.arange(resamples)[:, None]], axis=1)
         measured = [at[anchor] - at[merge] for _, at in per_seed]
         used = int(np.isfinite(combined).sum())
         rows[merge] = {

@@ -97,6 +97,11 @@ def test_matched_forgetting_interpolates_both_curves_at_one_level():
     low, high = row["interval"]
     assert row["difference"] == pytest.approx(0.1, abs=0.03)
     assert 0 < low <= 0.1 <= high and row["resamples_used"] > 900
+    # FIRM is the anchor wherever its curve stands (a sweep lists its points by file name)
+    swapped = cmp.matched_forgetting(
+        {"sum": curves["sum"], "firm": curves["firm"]}, "forget_rouge", "retain_rouge", 200, 0, 0.5
+    )
+    assert swapped["anchor"] == "firm" and list(swapped["differences"]) == ["sum"]
     # the default level: the middle of the range both curves span
     default = cmp.matched_forgetting(curves, "forget_rouge", "retain_rouge", 200, 0)
     assert default["forget_level"] == pytest.approx(0.5, abs=0.02)
