@@ -179,6 +179,21 @@ def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -
     }
 
 
+#: what a sweep point records beside its full evaluation
+POINT_KEYS = ("strategy", "gamma", "merge_kwargs", "merge_seconds", "norm_final", "metrics", "how")
+
+
+def saved_point(path: Path, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The point an earlier sweep wrote to ``path`` if it was merged with these ``kwargs``
+    (so a re-run with ``--reuse-run`` evaluates only new or changed points), else None."""
+    if not path.is_file():
+        return None
+    saved = json.loads(path.read_text())
+    if saved.get("merge_kwargs") != json_safe(kwargs):
+        return None
+    return {k: saved.get(k) for k in POINT_KEYS}
+
+
 def sweep(
     strategies: list[str],
     grids: dict[str, list[float]],
@@ -203,6 +218,11 @@ def sweep(
         fn = resolve_merge(strategy)
         params = dataclasses.replace(settings, merge=strategy, gamma=gamma)
         kwargs = merge_kwargs(fn, params.merge_parameters())
+        point_path = output_dir / "points" / f"{strategy}-g{gamma:g}.json"
+        saved = saved_point(point_path, kwargs) if reuse_run else None
+        if saved is not None:
+            points.append(saved)
+            continue
         started = time.perf_counter()
         result = fn(updates, **kwargs)
         merge_seconds = time.perf_counter() - started
@@ -218,7 +238,7 @@ def sweep(
         }
         # with every per-question score, for simulations.compare (paired intervals)
         evaluation = {k: v for k, v in metrics.items() if k != "samples"}
-        (output_dir / "points" / f"{strategy}-g{gamma:g}.json").write_text(
+        point_path.write_text(
             json.dumps(
                 json_safe({**point, "report": result.report, "evaluation": evaluation}), indent=2
             )
@@ -260,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse-run",
         action="store_true",
-        help="re-merge the uploads of an earlier run in --output-dir",
+        help="re-merge the uploads of an earlier run in --output-dir; points it already "
+        "evaluated with the same merge arguments are read back, not evaluated again",
     )
     parser.add_argument(
         "--seeds",

@@ -46,9 +46,22 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
         assert rows[name]["difference"] == pytest.approx(by_gamma[1.0][name] - by_gamma[4.0][name])
         low, high = rows[name]["interval"]
         assert low <= high
-    # re-using the finished Flower run gives the same numbers
-    again = sweep.sweep(["firm"], {"firm": [1.0]}, "", out, reuse_run=True)
+    # re-using the finished Flower run: a point evaluated before with the same merge arguments
+    # is read back (a value changed on disk stays changed), one whose file is gone or whose
+    # arguments differ is merged and evaluated again, with the same numbers as the first time
+    points = out / "points"
+    for name, kwargs_change in (("firm-g4.json", {}), ("sum-g0.5.json", {"gamma": 9.0})):
+        saved = json.loads((points / name).read_text())
+        saved["metrics"]["forget_rouge_l"] = -1.0
+        saved["merge_kwargs"].update(kwargs_change)
+        (points / name).write_text(json.dumps(saved))
+    (points / "firm-g1.json").unlink()
+    again = sweep.sweep(
+        ["firm", "sum"], {"firm": [1.0, 4.0], "sum": [0.5]}, "", out, reuse_run=True
+    )
     assert again["points"][0]["metrics"] == summary["points"][0]["metrics"]
+    assert again["points"][1]["metrics"]["forget_rouge_l"] == -1.0
+    assert again["points"][2]["metrics"] == summary["points"][2]["metrics"]
 
 
 def test_sweep_over_client_training_seeds(tmp_path, checkpoint):
