@@ -48,7 +48,9 @@ import numpy as np
 import torch
 
 from fedunlearn.merging import native
+from fedunlearn.merging.lazy import FlatSlices
 from fedunlearn.options import FRACTION, OneOf, option, option_group
+from fedunlearn.upload_slices import FactorSlices, TopkSlices
 
 TASK_VECTOR_UPLOADS: tuple[str, ...] = ("dense", "factors")
 FISHER_UPLOADS: tuple[str, ...] = ("dense", "bf16", "topk")
@@ -309,13 +311,28 @@ def decode_tensor(
         out = buffer(bits.numel()).view(bits.shape).copy_(bits.view(torch.bfloat16))
     else:
         out = _decode_topk(key, parts, shape, buffer)
-    if shape is not None and tuple(out.shape) != tuple(shape):
+    _check_shape(key, form, tuple(out.shape), shape)
+    return out
+
+
+def _check_shape(
+    key: str, form: str, decoded: tuple[int, ...], shape: tuple[int, ...] | None
+) -> None:
+    """Refuse a weight that decodes to another shape than the global weight's."""
+    if shape is not None and tuple(decoded) != tuple(shape):
         raise UploadFormatError(
             key,
-            f"has shape {tuple(out.shape)} but the global weight has shape {tuple(shape)}"
+            f"has shape {tuple(decoded)} but the global weight has shape {tuple(shape)}"
             + ("" if form == "dense" else f" (decoded from its {form} upload)"),
         )
-    return out
+
+
+def _check_marked(key: str, marked: int, sent: int) -> None:
+    """Refuse a top-k Fisher whose mask marks another number of entries than values sent."""
+    if marked != sent:
+        raise UploadFormatError(
+            key, f"top-k mask marks {marked} entries but {sent} values were sent"
+        )
 
 
 def _float(key: str, part: str, t: torch.Tensor) -> torch.Tensor:
@@ -383,10 +400,7 @@ def _decode_topk(
             array = out.numpy()
             array.fill(0.0)
             array[bits] = values.float().numpy()
-    if values.numel() != count:
-        raise UploadFormatError(
-            key, f"top-k mask marks {count} entries but {values.numel()} values were sent"
-        )
+    _check_marked(key, count, values.numel())
     return out.view(shape)
 
 
@@ -470,6 +484,30 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
         if form != "topk":
             return None
         return _float(key, "topk_value", self._get_part(names["topk_value"])).float().reshape(-1)
+
+    def flat_slices(self, key: str) -> FlatSlices | None:
+        """Weight ``key`` as flat slices decoded on demand (:mod:`fedunlearn.merging.lazy`)
+        when it was uploaded as factors or top-k, checked as decoding checks it; None for the
+        other forms (a dense or bf16 weight is read as a tensor)."""
+        form, names = self._groups[key]
+        if form not in ("factors", "topk"):
+            return None
+        parts = {part: self._get_part(name) for part, name in names.items()}
+        shape = None if self._shapes is None else self._shapes.get(key)
+        if form == "factors":
+            f = _factors(key, parts)
+            decoded_shape = (int(f.lora_B.shape[0]), int(f.lora_A.shape[1]))
+            _check_shape(key, form, decoded_shape, shape)
+            return FactorSlices(f.lora_B, f.lora_A, f.scaling)
+        if shape is None:
+            raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
+        numel = math.prod(shape)
+        values = _float(key, "topk_value", parts["topk_value"])
+        if values.dim() != 1:
+            raise UploadFormatError(key, f"top-k values are {values.dim()}-d, expected 1-d")
+        slices = TopkSlices(_packed_mask(key, parts, (numel + 7) // 8), values, numel)
+        _check_marked(key, slices.marked, values.numel())
+        return slices
 
     def _buffer(self, numel: int) -> torch.Tensor:
         """Flat float32 memory for ``numel`` entries: the last weight's, when nothing but this

@@ -20,11 +20,11 @@ a new round starts, everything when the run ends.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -55,16 +55,18 @@ def _parts(
 
 
 class SpooledFile:
-    """A spooled file read one tensor at a time. The header is read once; each read maps only
-    that tensor's bytes (a private, copy-on-write map, so the file is never written) and the
-    tensor it returns keeps the map alive: its pages are released with it. (One map of the whole
-    file kept open would keep every page read through it resident in the process, so the
-    server's memory would grow by every upload it merged; opening the file for each read parsed
-    its header every time: thousands of reads of a 210-weight upload.)"""
+    """A spooled file read one tensor at a time. The header is read once and the file kept
+    open; each read maps only that tensor's bytes (a private, copy-on-write map, so the file is
+    never written) and the tensor it returns keeps the map alive: its pages are released with
+    it. (One map of the whole file kept open would keep every page read through it resident in
+    the process, so the server's memory would grow by every upload it merged; opening the file
+    for each read parsed its header every time, and a ``numpy.memmap`` per read resolved the
+    path again: thousands of reads of a 210-weight upload.)"""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._entries = safetensors_layout(path)
+        self._fd: int | None = os.open(path, os.O_RDONLY)
 
     def keys(self) -> list[str]:
         return list(self._entries)
@@ -74,11 +76,23 @@ class SpooledFile:
         size = entry.stop - entry.start
         if size == 0:
             return torch.empty(entry.shape, dtype=entry.dtype)
-        mapped = np.memmap(self.path, dtype=np.uint8, mode="c", offset=entry.start, shape=(size,))
-        tensor = torch.frombuffer(mapped, dtype=entry.dtype).view(entry.shape)
-        if entry.start % tensor.element_size():  # not aligned for its dtype: an aligned copy
-            return tensor.clone()
-        return tensor
+        if self._fd is None:
+            raise ValueError(f"{self.path}: the spool was cleared; {name!r} cannot be read")
+        start = entry.start - entry.start % mmap.ALLOCATIONGRANULARITY
+        mapped = mmap.mmap(self._fd, entry.stop - start, offset=start, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, offset=entry.start - start)
+        if entry.start % entry.dtype.itemsize:  # not aligned for its dtype: an aligned copy
+            flat = flat.clone()
+        return flat.view(entry.dtype).view(entry.shape)
+
+    def close(self) -> None:
+        """Close the file (tensors read from it stay valid: each holds its own map)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.close()
 
 
 class UploadSpool:
@@ -156,6 +170,8 @@ class UploadSpool:
 
     def clear(self) -> None:
         """Remove every round folder this spool wrote (and the spool folder once empty)."""
+        for handle in self._handles:
+            handle.close()
         self._handles.clear()
         if self._round_dir is not None and self._round_dir.is_dir():
             for path in self._round_dir.glob("node-*.safetensors"):

@@ -24,7 +24,14 @@ import torch
 
 from ..options import FRACTION, POSITIVE, Number, OneOf, option, option_group
 from ._chunks import below, map_spans
-from .base import ClientUpdate, MergeResult, delta_mapping, register_merge, validate_updates
+from .base import (
+    ClientUpdate,
+    MergeResult,
+    delta_mapping,
+    described,
+    register_merge,
+    validate_updates,
+)
 from .kernels import (
     bracket_counts,
     fusable,
@@ -35,6 +42,7 @@ from .kernels import (
     sq64,
     use_compiled_for,
 )
+from .lazy import FlatSlices, flat_source
 from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
     SMALL,
@@ -223,7 +231,10 @@ def _kept_sparsifier(
     k = support_size(d, alpha) if d else 0
     if k >= d:
         return _SparsifiedFisher.of([flat], scale, -math.inf)
-    kth = kth_largest(kept, k, nonnegative=True).to(torch.float32) if k <= n else zero
+    if k > n:
+        kth = zero
+    else:  # k = n (no ties at the client's threshold, the usual case): the smallest kept value
+        kth = (kept.min() if k == n else kth_largest(kept, k, nonnegative=True)).to(torch.float32)
     return _SparsifiedFisher.of([flat], scale, below(kth / scale))
 
 
@@ -249,6 +260,11 @@ def _pooled_sparsifier(
     flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
     k = support_size(d, alpha) if d else 0
+    if any(isinstance(f, FlatSlices) for f in flats):
+        # compact uploads: F decoded once, slice by slice, into one float32 tensor that the
+        # selection and the merge kernel then read (decoding every client's Fisher again for
+        # each of them costs more than writing F once)
+        return _pooled_sparsifier([_pooled(flats, device)], device, alpha, eps0, compiled)
     compiled = compiled and all(fusable(f.dtype) for f in flats)
     lone = len(flats) == 1 and not compiled
     if lone or device.type != "cpu" or d <= SMALL or k >= d:
@@ -275,9 +291,10 @@ def _pooled_sparsifier(
 
 
 def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``F̄_g``: the flat mean of a domain's raw Fishers in float32 (a lone Fisher as it is)."""
+    """``F̄_g``: the flat mean of a domain's raw Fishers in float32 (a lone Fisher as it is,
+    a lone :class:`FlatSlices` decoded)."""
     flats = [f.reshape(-1) for f in fishers]
-    if len(flats) == 1:
+    if len(flats) == 1 and not isinstance(flats[0], FlatSlices):
         return flats[0].to(device)
     out = torch.empty(flats[0].numel(), dtype=torch.float32, device=device)
 
@@ -549,14 +566,15 @@ def firm_merge(
     retain_idx = [position[id(u)] for u in retain]
     compiled = use_compiled_for(updates[0].task_vector, keys)
     for key in keys:
-        tvs = [u.task_vector[key] for u in updates]
-        fishers = [u.fisher[key] for u in updates]  # type: ignore[index]
+        # compact uploads come as slices decoded inside the merge's loop (fedunlearn.merging.lazy)
+        tvs = [flat_source(u.task_vector, key) for u in updates]
+        fishers = [flat_source(u.fisher, key) for u in updates]  # type: ignore[arg-type]
         kept = [_kept_values(u.fisher, key) for u in updates]  # type: ignore[arg-type]
         inp = _tensor_inputs(tvs, fishers, domain_idx, retain_idx, (alpha, eps0), compiled, kept)
         out_dtype = tvs[0].dtype
         for t in tvs[1:]:
             out_dtype = torch.promote_types(out_dtype, t.dtype)
-        shape = tvs[0].shape
+        shape = described(updates[0].task_vector, key)[0]
         del tvs, fishers, kept
         params = (gamma_f, gamma_r, eps0)
         out, fts, sums = _merge_tensor(inp, params, out_dtype, project, compiled)

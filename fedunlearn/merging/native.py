@@ -518,3 +518,44 @@ def unmask(packed: torch.Tensor, values: torch.Tensor, out: torch.Tensor) -> int
 
     map_spans(spread, numel, out.device, chunk=SLICE)
     return total
+
+
+def mask_counts(packed: torch.Tensor, numel: int, chunk: int) -> list[int] | None:
+    """The set bits of the packed mask among entries ``[i·chunk, (i+1)·chunk)`` for every
+    chunk of ``range(numel)`` (the last one shorter); ``None`` where the C functions are not
+    available or ``packed`` is not a contiguous CPU uint8 tensor."""
+    if not (packed.dtype == torch.uint8 and packed.device.type == "cpu" and packed.is_contiguous()):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    bits = packed.data_ptr()
+    # one thread: counting reads an eighth of a byte per entry, less than a dispatch costs
+    return [
+        int(lib.fedunlearn_mask_count(bits, start, min(start + chunk, numel)))
+        for start in range(0, numel, chunk)
+    ]
+
+
+def unmask_span(
+    packed: torch.Tensor, values: torch.Tensor, first: int, start: int, out: torch.Tensor
+) -> int | None:
+    """:func:`unmask` of the entries ``[start, start + out.numel())`` alone (``start`` a
+    multiple of 8): ``values[first:]`` spread over their set bits into ``out``. Returns the
+    values taken; ``None`` where the C functions are not available or an input is not a
+    contiguous CPU tensor of its dtype. The caller makes sure ``values`` holds them all."""
+    if not (
+        start % 8 == 0
+        and packed.dtype == torch.uint8
+        and values.dtype == torch.float32
+        and out.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (packed, values, out))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    bits = packed.data_ptr() + start // 8
+    return int(
+        lib.fedunlearn_unmask(bits, values.data_ptr() + 4 * first, 0, out.numel(), out.data_ptr())
+    )

@@ -1,0 +1,87 @@
+"""Compact uploads decoded slice by slice inside a merge (:mod:`fedunlearn.merging.lazy`).
+
+:class:`FactorSlices` rebuilds entries ``[a, b)`` of Δθ = (B @ A) · s from the rows of B that
+hold them, :class:`TopkSlices` spreads a top-k Fisher's kept values over the set bits of its
+packed mask between ``a`` and ``b``, starting at the value that the set bits before ``a`` have
+used (counted once per chunk when the slices are made).  Both give, bit for bit, the entries of
+the whole tensor that ``fedunlearn.upload_codec.decode_tensor`` writes (tested for every kind of
+span): a kept value lands where the mask puts it whatever the slicing, and a row of B @ A is the
+same sum of r products whichever rows are multiplied with it, as long as the BLAS takes the same
+path for both products, which MKL does from four rows on (a block here has at least
+:data:`MIN_ROWS`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from fedunlearn.merging import native
+from fedunlearn.merging._chunks import CHUNK
+from fedunlearn.merging.lazy import FlatSlices
+
+#: fewest rows of B multiplied at once (fewer where the weight has fewer)
+MIN_ROWS = 8
+
+
+class FactorSlices(FlatSlices):
+    """Δθ = (B @ A) · s of a (d_out × d_in) weight, decoded row block by row block."""
+
+    def __init__(self, lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> None:
+        self._b, self._a = lora_b.float(), lora_a.float()
+        self._scaling = scaling
+        self._columns = int(self._a.shape[1])
+        super().__init__(int(self._b.shape[0]) * self._columns)
+
+    def decode(self, start: int, stop: int) -> torch.Tensor:
+        first_row, end_row = start // self._columns, -(-stop // self._columns)
+        # at least MIN_ROWS rows: MKL multiplies one to three rows by another path, whose
+        # sums are rounded differently from the whole product's
+        end_row = max(end_row, min(first_row + MIN_ROWS, int(self._b.shape[0])))
+        first_row = min(first_row, max(0, end_row - MIN_ROWS))
+        offset = first_row * self._columns
+        rows = self.scratch((end_row - first_row) * self._columns)
+        product = rows.view(end_row - first_row, self._columns)
+        torch.mm(self._b[first_row:end_row], self._a, out=product).mul_(self._scaling)
+        return rows[start - offset : stop - offset]
+
+
+class TopkSlices(FlatSlices):
+    """A top-k Fisher: ``values`` (float32, index order) over the set bits of ``packed``."""
+
+    def __init__(self, packed: torch.Tensor, values: torch.Tensor, numel: int) -> None:
+        super().__init__(numel)
+        self._packed = packed.contiguous()
+        self._values = values.float().contiguous().reshape(-1)
+        counts = native.mask_counts(self._packed, numel, CHUNK)
+        if counts is None:
+            counts = [self._count(s, min(s + CHUNK, numel)) for s in range(0, numel, CHUNK)]
+        #: values used by the set bits before each chunk, then the total
+        self.firsts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+
+    @property
+    def marked(self) -> int:
+        """Set bits of the mask (to check against the values sent)."""
+        return int(self.firsts[-1])
+
+    def _bits(self, start: int, stop: int) -> np.ndarray:
+        """The mask bits of entries ``[start, stop)`` (``start`` a multiple of 8) as booleans."""
+        data = self._packed[start // 8 : -(-stop // 8)].numpy()
+        return np.unpackbits(data, count=stop - start, bitorder="little").view(np.bool_)
+
+    def _count(self, start: int, stop: int) -> int:
+        return int(np.count_nonzero(self._bits(start, stop)))
+
+    def decode(self, start: int, stop: int) -> torch.Tensor:
+        chunk_start = start - start % CHUNK
+        first = self.firsts[chunk_start // CHUNK] + (
+            self._count(chunk_start, start) if start > chunk_start else 0
+        )
+        out = self.scratch(stop - start)
+        if native.unmask_span(self._packed, self._values, first, start, out) is None:
+            bits = self._bits(start, stop)
+            array = out.numpy()
+            array.fill(0.0)
+            taken = int(np.count_nonzero(bits))
+            array[bits] = self._values[first : first + taken].numpy()
+        return out
