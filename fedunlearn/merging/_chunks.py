@@ -10,7 +10,7 @@ and damages are accumulated slice by slice (a different summation order, equal t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import TypeVar
@@ -18,7 +18,6 @@ from typing import TypeVar
 import torch
 
 T = TypeVar("T")
-U = TypeVar("U")
 
 #: Entries per slice (1 MiB of float32).
 CHUNK = 1 << 18
@@ -64,19 +63,6 @@ def map_spans(
         pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="merge-slices")
     with _single_threaded_ops():
         return list(pool.map(fn, spans(numel, chunk)))
-
-
-def map_items(fn: Callable[[T], U], items: Sequence[T], device: torch.device) -> list[U]:
-    """``[fn(item) for item in items]`` spread over the intra-op threads as
-    :func:`map_spans` spreads spans (each call single-threaded, results in order)."""
-    threads = torch.get_num_threads()
-    if threads <= 1 or len(items) <= 1 or device.type != "cpu":
-        return [fn(item) for item in items]
-    pool = _POOLS.get(threads)
-    if pool is None:
-        pool = _POOLS[threads] = ThreadPoolExecutor(threads, thread_name_prefix="merge-slices")
-    with _single_threaded_ops():
-        return list(pool.map(fn, items))
 
 
 def below(threshold: torch.Tensor | float) -> float:
