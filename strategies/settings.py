@@ -54,7 +54,8 @@ __all__ = ["BUILTIN_DEFAULTS", "PRETRAINED_DEFAULTS", "RunConfigError", "RunSett
 
 #: defaults of the keys whose value depends on the model, for the built-in model and a
 #: ``model.path`` checkpoint (its size is unknown here); a scenario's own defaults
-#: (``Scenario.defaults``) take precedence over these, a registry model's over both
+#: (``Scenario.defaults``) take precedence over these, a registry model's over both, and a
+#: scenario's defaults for a registry model (``Scenario.pretrained_defaults``) over all three
 BUILTIN_DEFAULTS: dict[str, Any] = {
     "scenario.retain-samples": 200,
     "training.fisher-batches": 20,
@@ -134,7 +135,8 @@ class RunSettings:
     )
     gamma: float = option(
         0.0,
-        "global scale γ of the merged update (scenario: tofu 8, wmdp 4, muse 3)",
+        "global scale γ of the merged update (scenario: tofu 8, wmdp 4, muse 3; muse on a "
+        "registry model 0.5)",
         POSITIVE_OR_SCENARIO,
     )
     evaluate: bool = option(
@@ -191,13 +193,16 @@ class RunSettings:
         """A copy where every key left unset (on its field default, "auto", 0 or -1, which
         stands for "the default") takes the default of the model and scenario, in rising
         precedence :data:`BUILTIN_DEFAULTS`, the scenario's (``Scenario.defaults``, dotted
-        keys), :data:`PRETRAINED_DEFAULTS` for a registry model; a key set to any other value
-        keeps it, also when it equals what the default would be."""
+        keys), :data:`PRETRAINED_DEFAULTS` for a registry model, then the scenario's for a
+        registry model (``Scenario.pretrained_defaults``); a key set to any other value keeps
+        it, also when it equals what the default would be."""
         check_value("scenario.name", self.scenario.name, _field_of("scenario.name")[2])
-        defaults = {**BUILTIN_DEFAULTS, **SCENARIOS[self.scenario.name].defaults}
+        scenario_type = SCENARIOS[self.scenario.name]
+        defaults = {**BUILTIN_DEFAULTS, **scenario_type.defaults}
         registry_model = self.model.name != "builtin"
         if registry_model:
             defaults.update(PRETRAINED_DEFAULTS)
+            defaults.update(scenario_type.pretrained_defaults)
         scenario = self.scenario
         if scenario.tofu_subset_authors == 0 and scenario.data_path and registry_model:
             defaults["scenario.tofu-subset-authors"] = 200 if torch.cuda.is_available() else 4

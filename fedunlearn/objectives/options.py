@@ -32,7 +32,9 @@ class ObjectiveOptions:
     reads its own options."""
 
     name: str = option(
-        "auto", "forget objective; auto = the scenario's (ga / rmu / ga)", OneOf(_objective_names)
+        "auto",
+        "forget objective; auto = the scenario's (ga / rmu / ga; muse on a registry model npo)",
+        OneOf(_objective_names),
     )
     graddiff_alpha: float = option(1.0, "GradDiff: weight of the retain NLL", NON_NEGATIVE)
     npo_beta: float = option(0.1, "NPO: β", POSITIVE)

@@ -79,6 +79,9 @@ class Scenario(ABC):
     #: run-config values (dotted keys) this scenario uses where the run config leaves them on
     #: "auto" (or 0 / -1)
     defaults: ClassVar[dict[str, Any]] = {}
+    #: the same for a registry model (``model.name``), over ``defaults`` and the registry
+    #: models' own defaults: what this scenario needs on a pretrained model
+    pretrained_defaults: ClassVar[dict[str, Any]] = {}
     #: metrics of the before/after table, in order
     summary_metrics: ClassVar[tuple[str, ...]]
     #: the metric that falls when forgetting works / the one that should stay high

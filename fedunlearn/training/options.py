@@ -35,19 +35,24 @@ class TrainingOptions:
     """Local optimisation on the clients (``[tool.flwr.app.config.training]``)."""
 
     forget_steps: int = option(
-        0, "forget clients' steps (scenario: 12; wmdp 30)", POSITIVE_INT_OR_SCENARIO
+        0,
+        "forget clients' steps (scenario: 12; wmdp 30; muse on a registry model 24)",
+        POSITIVE_INT_OR_SCENARIO,
     )
     forget_lr: float = option(
-        0.0, "forget clients' learning rate (scenario: 1e-3; wmdp 5e-3)", POSITIVE_OR_SCENARIO
+        0.0,
+        "forget clients' learning rate (scenario: 1e-3; wmdp 5e-3; a registry model 2e-4, "
+        "on muse 1e-3)",
+        POSITIVE_OR_SCENARIO,
     )
     retain_steps: int = option(
         0,
-        "retain clients' steps (next-token NLL); default 40, a registry model 10",
+        "retain clients' steps (next-token NLL); default 40, a registry model 10 (on muse 24)",
         POSITIVE_INT_OR_SCENARIO,
     )
     retain_lr: float = option(
         0.0,
-        "retain clients' learning rate; default 1e-3, a registry model 2e-4",
+        "retain clients' learning rate; default 1e-3, a registry model 2e-4 (on muse 1e-3)",
         POSITIVE_OR_SCENARIO,
     )
     batch_size: int = option(8, "local batch size", POSITIVE_INT)

@@ -13,7 +13,13 @@ from flwr.common.config import flatten_dict
 from fedunlearn.options import OPTION_GROUPS, rule_of
 from fedunlearn.scenarios import SCENARIOS
 from strategies.run_setup import client_settings
-from strategies.settings import GROUP_TYPES, PRETRAINED_DEFAULTS, RunConfigError, RunSettings
+from strategies.settings import (
+    BUILTIN_DEFAULTS,
+    GROUP_TYPES,
+    PRETRAINED_DEFAULTS,
+    RunConfigError,
+    RunSettings,
+)
 
 PYPROJECT = Path(__file__).resolve().parents[2] / "pyproject.toml"
 
@@ -470,6 +476,25 @@ def test_a_registry_model_on_real_muse_files_gets_a_cpu_sized_subset_and_recipe(
     assert tofu.scenario_params().subset_texts == 0 and tofu.model.finetune_lr == 1e-4
     with pytest.raises(RunConfigError, match="scenario.muse-subset-texts"):
         RunSettings.from_run_config({"scenario.muse-subset-texts": 1})
+
+
+def test_a_scenarios_registry_model_defaults_win_over_both_default_tables_not_over_the_user():
+    """Scenario.pretrained_defaults: what a scenario needs on a pretrained model (MUSE's
+    forgetting recipe) beats PRETRAINED_DEFAULTS and the scenario's own defaults; a key the
+    user sets keeps its value, also one equal to a default."""
+    muse = SCENARIOS["muse"]
+    assert muse.pretrained_defaults
+    real = {"scenario.name": "muse", "model.name": "smollm2-135m"}
+    resolved = RunSettings.from_run_config(real).as_dict()
+    assert {k: resolved[k] for k in muse.pretrained_defaults} == muse.pretrained_defaults
+    builtin = RunSettings.from_run_config({"scenario.name": "muse"}).as_dict()
+    for key in muse.pretrained_defaults:
+        expected = muse.defaults.get(key, BUILTIN_DEFAULTS.get(key))
+        if expected is None:
+            continue
+        assert builtin[key] == expected, key
+        set_by_user = {**real, key: expected}
+        assert RunSettings.from_run_config(set_by_user).as_dict()[key] == expected, key
 
 
 def test_model_keys_are_checked():
