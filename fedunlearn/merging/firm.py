@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 import torch
@@ -42,7 +43,7 @@ from .kernels import (
     sq64,
     use_compiled_for,
 )
-from .lazy import FlatSlices, flat_source
+from .lazy import Flat, FlatSlices, flat_source
 from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
     SMALL,
@@ -109,18 +110,16 @@ class _SparsifiedFisher:
     float32 largest value below the threshold (``-inf`` keeps every entry).
     """
 
-    sources: list[torch.Tensor]
+    sources: list[Flat]
     scale: torch.Tensor
     lower: torch.Tensor
 
     @classmethod
-    def of(
-        cls, sources: list[torch.Tensor], scale: torch.Tensor, lower: float
-    ) -> _SparsifiedFisher:
+    def of(cls, sources: Sequence[Flat], scale: torch.Tensor, lower: float) -> _SparsifiedFisher:
         """With ``lower`` as a 0-d float32 tensor."""
-        return cls(sources, scale, torch.tensor(lower, dtype=torch.float32))
+        return cls(list(sources), scale, torch.tensor(lower, dtype=torch.float32))
 
-    def kernel_args(self) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    def kernel_args(self) -> tuple[list[Flat], torch.Tensor, torch.Tensor]:
         """``(sources, scale, lower)`` as :func:`firm_kernel` takes them."""
         return self.sources, self.scale, self.lower
 
@@ -215,7 +214,7 @@ def _group(
 
 
 def _kept_sparsifier(
-    flat: torch.Tensor, kept: torch.Tensor, alpha: float, eps0: float
+    flat: Flat, kept: torch.Tensor, alpha: float, eps0: float
 ) -> _SparsifiedFisher:
     """:func:`_sparsifier` of a lone flat Fisher whose non-zero entries are all among ``kept``
     (a top-k upload's values, every other entry 0), from ``kept`` alone.
@@ -239,7 +238,7 @@ def _kept_sparsifier(
 
 
 def _pooled_sparsifier(
-    fishers: Sequence[torch.Tensor],
+    fishers: Sequence[Flat],
     device: torch.device,
     alpha: float,
     eps0: float,
@@ -257,14 +256,14 @@ def _pooled_sparsifier(
     :mod:`~fedunlearn.merging.native` reads a lone 16-bit Fisher in less time than its
     histogram takes).
     """
-    flats = [f.reshape(-1) for f in fishers]
-    d = flats[0].numel()
-    k = support_size(d, alpha) if d else 0
-    if any(isinstance(f, FlatSlices) for f in flats):
+    if any(isinstance(f, FlatSlices) for f in fishers):
         # compact uploads: F decoded once, slice by slice, into one float32 tensor that the
         # selection and the merge kernel then read (decoding every client's Fisher again for
         # each of them costs more than writing F once)
-        return _pooled_sparsifier([_pooled(flats, device)], device, alpha, eps0, compiled)
+        return _pooled_sparsifier([_pooled(fishers, device)], device, alpha, eps0, compiled)
+    flats = [cast(torch.Tensor, f).reshape(-1) for f in fishers]
+    d = flats[0].numel()
+    k = support_size(d, alpha) if d else 0
     compiled = compiled and all(fusable(f.dtype) for f in flats)
     lone = len(flats) == 1 and not compiled
     if lone or device.type != "cpu" or d <= SMALL or k >= d:
@@ -290,7 +289,7 @@ def _pooled_sparsifier(
     return _SparsifiedFisher.of(flats, scale, below(threshold))
 
 
-def _pooled(fishers: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+def _pooled(fishers: Sequence[Flat], device: torch.device) -> torch.Tensor:
     """``F̄_g``: the flat mean of a domain's raw Fishers in float32 (a lone Fisher as it is,
     a lone :class:`FlatSlices` decoded)."""
     flats = [f.reshape(-1) for f in fishers]
@@ -338,15 +337,15 @@ class _TensorInputs:
     """One weight's sparsified Fishers and flat task vectors, by side (steps 1–2 of
     docs/algorithms.md, "FIRM base merge")."""
 
-    forget: list[tuple[_SparsifiedFisher, list[torch.Tensor]]]
-    retain: list[tuple[_SparsifiedFisher, torch.Tensor]]
+    forget: list[tuple[_SparsifiedFisher, list[Flat]]]
+    retain: list[tuple[_SparsifiedFisher, Flat]]
     numel: int
     device: torch.device
 
 
 def _tensor_inputs(
-    tvs: Sequence[torch.Tensor],
-    fishers: Sequence[torch.Tensor],
+    tvs: Sequence[Flat],
+    fishers: Sequence[Flat],
     domains: Sequence[Sequence[int]],
     retain: Sequence[int],
     params: tuple[float, float],
@@ -359,7 +358,7 @@ def _tensor_inputs(
     device = tvs[0].device
     flat_tv = [t.reshape(-1) for t in tvs]
 
-    def sparsifier(sources: list[torch.Tensor], lone: int | None) -> _SparsifiedFisher:
+    def sparsifier(sources: list[Flat], lone: int | None) -> _SparsifiedFisher:
         values = kept[lone] if lone is not None and lone < len(kept) else None
         if values is not None and sources[0].device == device:
             return _kept_sparsifier(sources[0].reshape(-1), values.to(device), alpha, eps0)

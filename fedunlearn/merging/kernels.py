@@ -27,7 +27,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -173,7 +173,7 @@ def _run_compiled_decoding(
     outs = tuple(torch.empty(numel, dtype=h.dtype, device=device) for h in head)
     for out, h in zip(outs, head, strict=True):
         out[slices[0]] = h
-    into = _compiled(_written(kernel))
+    into = cast(Callable[..., torch.Tensor], _compiled(_written(kernel)))
     sums = [head_sums]
     for span in slices[1:]:
         sums.append(into(tuple(out[span] for out in outs), *_slice_args(args, span)))

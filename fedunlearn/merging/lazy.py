@@ -91,7 +91,11 @@ class FlatSlices(ABC):
         return torch.cat(map_spans(picked, self._numel, self.device, chunk=CHUNK))
 
 
-def flat_source(values: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | FlatSlices:
+#: a merge input: a tensor, or slices decoded on demand
+Flat = torch.Tensor | FlatSlices
+
+
+def flat_source(values: Mapping[str, torch.Tensor], key: str) -> Flat:
     """Weight ``key`` of ``values`` as slices decoded on demand where the mapping offers them
     (a ``flat_slices(key)`` method returning a :class:`FlatSlices`), else the tensor itself."""
     flat_slices = getattr(values, "flat_slices", None)

@@ -164,8 +164,9 @@ def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
     """Weights above the selections' direct size (a pooled Fisher's threshold counted in one
     pass, by numpy eagerly, by the C loop compiled; a lone top-k Fisher's taken from its kept
     values): FIRM base from the spool's compact files, decoded slice by slice inside the merge,
-    equals FIRM base from the same uploads decoded, dense in memory, bit for bit, with α' = α and α' < α (a lone Fisher's k-th
-    largest is then a zero). The spool keeps each top-k mask inflated."""
+    equals FIRM base from the same uploads decoded, dense in memory, bit for bit, with α' = α
+    and α' < α (a lone Fisher's k-th largest is then a zero). The spool keeps each top-k mask
+    inflated."""
     monkeypatch.setenv(MODE_ENV, kernels)
     # "down": several slices of the merge's loop, whose bounds fall inside rows
     shapes = {"q": (512, 384), "up": (640, 384), "down": (700, 1000)}
