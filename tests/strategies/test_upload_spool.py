@@ -15,6 +15,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from fedunlearn.merging import ClientUpdate, firm_merge
+from fedunlearn.merging import kernels as merge_kernels
+from fedunlearn.merging._chunks import CHUNK
 from fedunlearn.merging.kernels import MODE_ENV
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.upload_codec import (
@@ -168,6 +170,8 @@ def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
     and α' < α (a lone Fisher's k-th largest is then a zero). The spool keeps each top-k mask
     inflated."""
     monkeypatch.setenv(MODE_ENV, kernels)
+    # compiled, slices of one chunk: "down" takes several compiled calls, writing in place
+    monkeypatch.setattr(merge_kernels, "DECODE_SLICE", CHUNK)
     # "down": several slices of the merge's loop, whose bounds fall inside rows
     shapes = {"q": (512, 384), "up": (640, 384), "down": (700, 1000)}
     spool = UploadSpool(tmp_path / "spool")
