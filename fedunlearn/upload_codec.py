@@ -381,9 +381,10 @@ def _packed_mask(key: str, parts: Mapping[str, torch.Tensor], size: int) -> torc
     return bits
 
 
-def _decode_topk(
-    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None, buffer: Buffer
-) -> torch.Tensor:
+def _topk_parts(
+    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """A top-k Fisher's checked ``(values, packed mask, entries)``."""
     if shape is None:
         raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
     numel = math.prod(shape)
@@ -391,6 +392,13 @@ def _decode_topk(
     packed = _packed_mask(key, parts, (numel + 7) // 8).contiguous()
     if values.dim() != 1:
         raise UploadFormatError(key, f"top-k values are {values.dim()}-d, expected 1-d")
+    return values, packed, numel
+
+
+def _decode_topk(
+    key: str, parts: Mapping[str, torch.Tensor], shape: tuple[int, ...] | None, buffer: Buffer
+) -> torch.Tensor:
+    values, packed, numel = _topk_parts(key, parts, shape)
     out = buffer(numel)
     count = native.unmask(packed, values.float().contiguous(), out)
     if count is None:
@@ -499,13 +507,8 @@ class DecodedTensors(Mapping[str, torch.Tensor]):
             decoded_shape = (int(f.lora_B.shape[0]), int(f.lora_A.shape[1]))
             _check_shape(key, form, decoded_shape, shape)
             return FactorSlices(f.lora_B, f.lora_A, f.scaling)
-        if shape is None:
-            raise UploadFormatError(key, "a top-k Fisher needs the weight's shape to decode")
-        numel = math.prod(shape)
-        values = _float(key, "topk_value", parts["topk_value"])
-        if values.dim() != 1:
-            raise UploadFormatError(key, f"top-k values are {values.dim()}-d, expected 1-d")
-        slices = TopkSlices(_packed_mask(key, parts, (numel + 7) // 8), values, numel)
+        values, packed, numel = _topk_parts(key, parts, shape)
+        slices = TopkSlices(packed, values, numel)
         _check_marked(key, slices.marked, values.numel())
         return slices
 
