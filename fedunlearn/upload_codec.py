@@ -409,7 +409,7 @@ def _decode_topk(
             array.fill(0.0)
             array[bits] = values.float().numpy()
     _check_marked(key, count, values.numel())
-    return out.view(shape)
+    return out.view(shape or (numel,))
 
 
 def _sole_holder(tensor: torch.Tensor) -> bool:
