@@ -409,7 +409,8 @@ def _decode_topk(
             array.fill(0.0)
             array[bits] = values.float().numpy()
     _check_marked(key, count, values.numel())
-    return out.view(shape or (numel,))
+    assert shape is not None  # _topk_parts refused a missing shape
+    return out.view(shape)
 
 
 def _sole_holder(tensor: torch.Tensor) -> bool:
