@@ -22,7 +22,7 @@ from flwr.clientapp import ClientApp
 from transformers import PreTrainedModel
 
 from clients.base_checkpoint import base_declaration, received_model, simulated_node
-from clients.fit_task import fit_reply
+from clients.fit_task import fit_reply, lora_settings
 from clients.local_data import client_scenario, shard
 from fedunlearn.allocator import return_freed_memory
 from fedunlearn.fisher import empirical_fisher_diagonal
@@ -33,9 +33,7 @@ from fedunlearn.qa_format import encode_record
 from fedunlearn.training.full_finetune import train_full_task_vector
 from fedunlearn.training.lora import (
     LocalTrainSettings,
-    LoraSettings,
     adapted_parameter_names,
-    parse_layers,
     train_lora_task_vector,
 )
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector, upload_bytes
@@ -54,16 +52,6 @@ from wire.messages import (
 app = ClientApp()
 
 ROLES = ("forget", "retain")
-
-
-def lora_settings(config: ConfigRecord) -> LoraSettings:
-    """LoRA rank, alpha, target module names and (optionally) layer indices."""
-    return LoraSettings(
-        rank=int(config_scalar(config, "lora-rank")),
-        alpha=float(config_scalar(config, "lora-alpha")),
-        target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
-        layers_to_transform=parse_layers(str(config["lora-layers"])),
-    )
 
 
 @app.query()

@@ -7,7 +7,10 @@ its own records for one round and send them back (the server averages them):
   ``context.state`` and persists across rounds; the ε it has spent is in the reply;
 * ``stage='mlm-base'`` (stage A, DP-MLM): plain training on the client's records rewritten by
   the DP-MLM (rewritten once, on the client, with ε per replaced token; cached in the state);
-* ``stage='deploy'`` (stage B) and ``'retrain'`` (RFS-R): plain training on every record;
+* ``stage='deploy'`` (stage B, and the learning stage's knowledgeable model) and
+  ``'retrain'`` (RFS-R, and the learning stage's reference): plain training on every record
+  (``learn-finetune='lora'``: a LoRA adapter merged into the weights; ``proximal-mu`` > 0:
+  FedProx's proximal term);
 * ``stage='unlearn'`` (stage C) and ``'retrain'``: the records named in ``forget-indices`` are
   dropped HERE, before anything is encoded; the reply carries a digest of exactly the
   examples that reached the training loop, so the server can verify it.
@@ -29,12 +32,21 @@ from flwr.app import (
     MetricRecordValues,
     RecordDict,
 )
+from peft import get_peft_model
+from transformers import PreTrainedModel
 
 from clients.local_data import client_scenario, shard
 from fedunlearn.dp.dpsgd import AccountantState, DpSgdSettings, train_dp_sgd
 from fedunlearn.dp2u import examples_digest
 from fedunlearn.qa_format import encode_record
+from fedunlearn.training.batching import Example
 from fedunlearn.training.full import train_full
+from fedunlearn.training.lora import (
+    LoraSettings,
+    adapted_parameter_names,
+    lora_config,
+    parse_layers,
+)
 from wire.messages import (
     config_list,
     config_scalar,
@@ -89,6 +101,49 @@ def _rewritten(records: list[dict], config: ConfigRecord, context: Context) -> l
     return rewritten
 
 
+def lora_settings(config: ConfigRecord) -> LoraSettings:
+    """LoRA rank, alpha, target module names and (optionally) layer indices."""
+    return LoraSettings(
+        rank=int(config_scalar(config, "lora-rank")),
+        alpha=float(config_scalar(config, "lora-alpha")),
+        target_modules=tuple(t.strip() for t in str(config["lora-targets"]).split(",")),
+        layers_to_transform=parse_layers(str(config["lora-layers"])),
+    )
+
+
+def _train_round(
+    model: PreTrainedModel,
+    examples: list[Example],
+    pad_token_id: int,
+    config: ConfigRecord,
+    seed: int,
+) -> tuple[PreTrainedModel, list[float], list[str] | None]:
+    """One round of plain training: every weight, or (``learn-finetune='lora'``) a fresh LoRA
+    adapter merged into the weights afterwards; FedProx's ``proximal-mu`` when the server's
+    strategy sends it. Returns the trained model, its epoch losses and the names of the
+    weights that changed (None: all of them)."""
+    lora = str(config.get("learn-finetune", "full")) == "lora"
+    adapted = None
+    if lora:
+        settings = lora_settings(config)
+        adapted = adapted_parameter_names(model, settings)
+        model = get_peft_model(model, lora_config(settings))  # type: ignore[assignment]
+    losses = train_full(
+        model,
+        examples,
+        pad_token_id=pad_token_id,
+        epochs=int(config_scalar(config, "local-epochs")),
+        lr=float(config_scalar(config, "lr")),
+        batch_size=int(config_scalar(config, "batch-size")),
+        seed=seed,
+        show_progress=False,
+        proximal_mu=float(config_scalar(config, "proximal-mu", 0.0)),
+    )
+    if lora:  # the weights W + s·B·A, under the base model's own names
+        model = model.merge_and_unload()  # type: ignore[operator]
+    return model, losses, adapted
+
+
 def fit_reply(msg: Message, context: Context) -> Message:
     """Train the received weights for one round of ``config['stage']`` and reply with them."""
     owner = f"node {context.node_id}"
@@ -109,6 +164,7 @@ def fit_reply(msg: Message, context: Context) -> Message:
     examples = [encode_record(tokenizer, r) for r in private + public]
     model = rebuild_model(config, typed_record(msg.content, "arrays", ArrayRecord, owner))
     seed = int(config_scalar(config, "seed"))
+    changed: list[str] | None = None  # the weights the reply carries (None: all)
     if stage == "dp-base":
         state = (
             AccountantState.from_json(str(context.state["dp-accountant"]["json"]))
@@ -141,17 +197,9 @@ def fit_reply(msg: Message, context: Context) -> Message:
             }
         )
     else:
-        losses = train_full(
-            model,
-            examples,
-            pad_token_id=tokenizer.pad_token_id,
-            epochs=int(config_scalar(config, "local-epochs")),
-            lr=float(config_scalar(config, "lr")),
-            batch_size=int(config_scalar(config, "batch-size")),
-            seed=seed,
-            show_progress=False,
-        )
+        model, losses, changed = _train_round(model, examples, tokenizer.pad_token_id, config, seed)
         metrics["loss-last"] = float(losses[-1])
+        metrics["proximal-mu"] = float(config_scalar(config, "proximal-mu", 0.0))
     metrics.update(
         {
             "num-examples": float(len(examples)),
@@ -160,7 +208,7 @@ def fit_reply(msg: Message, context: Context) -> Message:
     )
     content = RecordDict(
         {
-            "arrays": wire_state(model),
+            "arrays": wire_state(model, changed),
             "metrics": MetricRecord(metrics),
             "info": ConfigRecord({"stage": stage, "examples-digest": examples_digest(examples)}),
         }

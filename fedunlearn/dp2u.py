@@ -1,5 +1,5 @@
-"""DP2Unlearning, federated (docs/algorithms.md, "DP2Unlearning"): who holds which records,
-FedAvg of client weights, and the proof of what reached a training loop.
+"""DP2Unlearning, federated (docs/algorithms.md, "DP2Unlearning"): who holds which records and
+the proof of what reached a training loop.
 
 Every data client holds a contiguous shard of the fictitious authors (all of their QA).
 A forget request names authors (TOFU convention: the last ``forget_percent`` % of them), or
@@ -15,10 +15,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
 
 from fedunlearn.benchmarks.tofu import TofuData
 from fedunlearn.options import (
@@ -222,35 +220,6 @@ def apply_forget_request(
     for k, sh in enumerate(out):
         if not sh.retained:
             raise ValueError(f"forget request for client {k}: the client would keep no records")
-    return out
-
-
-def fedavg(
-    states: Sequence[Mapping[str, torch.Tensor]], weights: Sequence[float]
-) -> dict[str, torch.Tensor]:
-    """Σ_k w_k θ_k / Σ_k w_k per tensor, accumulated in float64 in the given client order
-    (deterministic sums); the result has the first state's dtypes."""
-    if not states or len(states) != len(weights):
-        raise ValueError(f"fedavg needs one weight per state, got {len(states)} / {len(weights)}")
-    if any(w <= 0 for w in weights):
-        raise ValueError(f"fedavg weights must be > 0, got {list(weights)}")
-    keys = list(states[0])
-    for k, state in enumerate(states[1:], start=1):
-        if list(state) != keys:
-            missing = sorted(set(keys) ^ set(state))[:3]
-            raise ValueError(f"client {k}: tensor names differ from client 0's ({missing})")
-    total = float(sum(weights))
-    out = {}
-    for name in keys:
-        acc = torch.zeros(states[0][name].shape, dtype=torch.float64)
-        for state, w in zip(states, weights, strict=True):
-            value = state[name]
-            if value.shape != acc.shape:
-                raise ValueError(
-                    f"tensor {name!r}: shape {tuple(value.shape)} != {tuple(acc.shape)}"
-                )
-            acc += (w / total) * value.detach().to(torch.float64)
-        out[name] = acc.to(states[0][name].dtype)
     return out
 
 

@@ -27,13 +27,11 @@ import json
 import random
 import time
 from dataclasses import asdict
-from logging import INFO
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
-from flwr.common.logger import log
 from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 
@@ -43,13 +41,12 @@ from fedunlearn.evaluation.distribution import truth_ratio_distances
 from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.scenarios.tofu import TOFU_FORGET_DOMAIN, TofuScenario
-from strategies.fedtrain_strategy import FedTrainStrategy
+from strategies.learn_pipeline import run_stage
 from strategies.merge_strategy import MergeStrategy
 from strategies.results import json_safe
 from strategies.run_setup import RunModel, client_settings, evaluate_model, pretrained_state
 from strategies.settings import RunSettings
 from strategies.stage_cache import StageCache
-from strategies.upload_spool import SPOOL_DIR, UploadSpool
 from wire.messages import describe_model
 
 DP_METHODS = ("dp2u-sgd", "dp2u-mlm")
@@ -120,62 +117,19 @@ class Dp2uPipeline:
         rounds: int,
         config: dict[str, Any],
     ) -> tuple[str, dict[str, torch.Tensor]]:
-        """Run (or load) one FedAvg stage from ``start`` = (key, weights); returns its key."""
-        s = self.settings
-        key = StageCache.key(
+        """Run (or load) one FedAvg stage from ``start`` = (key, weights); returns its key
+        (:func:`~strategies.learn_pipeline.run_stage`, Flower's FedAvg)."""
+        key, state, info = run_stage(
+            self.grid,
+            self.settings,
+            self.cache,
             stage=stage,
-            start=start[0],
-            rounds=rounds,
-            config=config,
-            clients=[asdict(sh) for sh in self.shards]
-            if stage in ("unlearn", "retrain")
-            else [list(sh.training) for sh in self.shards],
-            seed=s.seed,
-        )
-        cached = self.cache.load(key)
-        if cached is not None:
-            state, info = cached
-            self.stages[name] = {**info, "cached": True}
-            log(INFO, "dp2u: %s loaded from cache %s", name, key)
-            return key, state
-        log(INFO, "dp2u: %s (%s, %d rounds) on %d clients", name, stage, rounds, len(self.shards))
-        strategy = FedTrainStrategy(
-            stage=stage,
+            start=start,
             shards=self.shards,
+            rounds=rounds,
             client_config={**self.client_config, **config},
-            num_rounds=rounds,
-            node_wait_timeout=s.server.node_wait_timeout,
-            max_upload_mb=s.server.max_upload_mb,
-            max_update_ratio=s.server.max_update_ratio,
-            spool=UploadSpool(s.resolved_output_dir() / SPOOL_DIR) if s.upload.stream else None,
         )
-        started = time.perf_counter()
-        try:
-            result = strategy.start(
-                grid=self.grid,
-                initial_arrays=_arrays(start[1]),
-                num_rounds=rounds,
-                timeout=s.server.round_timeout,
-                train_config=ConfigRecord(),
-            )
-        finally:
-            if strategy.spool is not None:
-                strategy.spool.clear()
-        state = result.arrays.to_torch_state_dict()
-        info = {
-            "stage": stage,
-            "key": key,
-            "rounds": rounds,
-            "seconds": time.perf_counter() - started,
-            # training compute: the clients' own seconds, summed (the wall time above also
-            # holds waiting for nodes, e.g. Ray starting them before the first stage)
-            "client_seconds": sum(
-                float(c.get("total_seconds", 0.0)) for r in strategy.rounds for c in r["clients"]
-            ),
-            "round_reports": strategy.rounds,
-        }
-        self.cache.save(key, state, info)
-        self.stages[name] = {**info, "cached": False}
+        self.stages[name] = info
         return key, state
 
     def public_mlm_path(self) -> str:

@@ -23,6 +23,7 @@ from strategies.checkpoint import (
     RunCheckpoint,
 )
 from strategies.dp2u_pipeline import Dp2uPipeline
+from strategies.learn_pipeline import learn_federated
 from strategies.log_progress import progress_in_log
 from strategies.report import write_report
 from strategies.results import format_summary_table, json_safe, summary_names, take_scores
@@ -77,6 +78,10 @@ def main(grid: Grid, context: Context) -> None:
         plan_reparam(config, permute_groups=settings.mpu.permute_groups)
     phases["model_load_or_build"] = time.perf_counter() - t0
     log(INFO, "model ready (%.1f s)", phases["model_load_or_build"])
+    if settings.learn.source == "federated":
+        t0 = time.perf_counter()
+        run_model.info["learn"] = learn_federated(grid, settings, run_model)
+        phases["federated_learning"] = time.perf_counter() - t0
     results, metrics = PIPELINES[settings.pipeline](
         grid, settings, run_model, output_dir, phases, run_started
     )

@@ -18,6 +18,7 @@ import torch
 from fedunlearn.benchmarks.wmdp import HAZARD_DOMAINS
 from fedunlearn.dp2u import Dp2uOptions, ForgetRequest, parse_forget_request
 from fedunlearn.evaluation.options import EvalOptions
+from fedunlearn.learn import LearnOptions
 from fedunlearn.merging.firm import FirmOptions
 from fedunlearn.merging.fulm import FulmOptions
 from fedunlearn.merging.ties import TiesOptions
@@ -167,6 +168,7 @@ class RunSettings:
     fulm: FulmOptions = field(default_factory=FulmOptions)
     mpu: MpuOptions = field(default_factory=MpuOptions)
     dp2u: Dp2uOptions = field(default_factory=Dp2uOptions)
+    learn: LearnOptions = field(default_factory=LearnOptions)
     eval: EvalOptions = field(default_factory=EvalOptions)
     server: ServerOptions = field(default_factory=ServerOptions)
 
@@ -228,6 +230,7 @@ class RunSettings:
         self._validate_merge()
         self._validate_clients()
         check_secret_keys(self.mpu.secret, self.mpu.secret_file)
+        self._validate_learn()
         if self.pipeline == "dp2u":
             self._validate_dp2u()
         elif self.dp2u.forget_request:
@@ -260,6 +263,23 @@ class RunSettings:
             raise RunConfigError(
                 f"run-config key 'scenario.forget-domains' = {scenario.forget_domains!r}: must "
                 f"name hazard domains ({', '.join(HAZARD_DOMAINS)}); unknown: {unknown}"
+            )
+
+    def _validate_learn(self) -> None:
+        """Federated learning runs before an unlearning run, on a scenario whose knowledge
+        its clients hold (``Scenario.learn_layout``)."""
+        if self.learn.source != "federated":
+            return
+        if self.pipeline != "unlearn":
+            raise RunConfigError(
+                "learn.source='federated' learns the model an unlearning run starts from; "
+                "pipeline='dp2u' trains its own federated stages (the dp2u group)"
+            )
+        if not SCENARIOS[self.scenario.name].learns_federated:
+            federated = [n for n, t in SCENARIOS.items() if t.learns_federated]
+            raise RunConfigError(
+                f"learn.source='federated' runs on the scenarios {federated}, not "
+                f"{self.scenario.name!r}: its knowledge records are not the clients' records"
             )
 
     def _validate_objective(self) -> None:

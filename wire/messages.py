@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TypeVar
 
 import torch
@@ -91,11 +91,16 @@ def describe_model(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -
     }
 
 
-def wire_state(model: torch.nn.Module) -> ArrayRecord:
-    """The model's weights as float32 CPU arrays (Flower's arrays have no bfloat16; clients
-    cast back to their ``dtype``)."""
+def wire_state(model: torch.nn.Module, keys: Collection[str] | None = None) -> ArrayRecord:
+    """The model's weights (those named in ``keys``; None: all) as float32 CPU arrays
+    (Flower's arrays have no bfloat16; clients cast back to their ``dtype``)."""
+    state = model.state_dict()
     return ArrayRecord(
-        {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+        {
+            k: v.detach().to("cpu", torch.float32)
+            for k, v in state.items()
+            if keys is None or k in keys
+        }
     )
 
 

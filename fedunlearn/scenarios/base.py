@@ -72,6 +72,17 @@ class ScenarioParams:
         return [d.strip() for d in self.forget_domains.split(",") if d.strip()]
 
 
+@dataclass(frozen=True)
+class LearnLayout:
+    """The records of the federated learning stage: ``forget[k]``, forget client k's forget
+    records; ``kept``, the knowledge every client shares in (the reference learns only these);
+    ``kept_groups[i]``, the group (author) of ``kept[i]``."""
+
+    forget: tuple[tuple[int, ...], ...]
+    kept: tuple[int, ...]
+    kept_groups: tuple[str, ...]
+
+
 class Scenario(ABC):
     """A benchmark in a federated unlearning setup (see the module docstring)."""
 
@@ -89,9 +100,17 @@ class Scenario(ABC):
     utility_metric: ClassVar[str]
     #: whether forget clients hold QA (so refusal-preference objectives such as DPO apply)
     qa_forget_data: ClassVar[bool] = False
+    #: whether :meth:`learn_layout` gives the federated learning stage its records
+    learns_federated: ClassVar[bool] = False
     #: the benchmark data, set by each scenario's ``__init__`` (its own type: ``TofuData``,
     #: ``WmdpData``, ``MuseData``)
     data: Any
+
+    def learn_layout(self) -> LearnLayout | None:
+        """Who holds what for the federated learning stage (``learn.source='federated'``),
+        in the index space of :meth:`records`; None where this scenario's knowledge records
+        are not client records (the stage then refuses the scenario)."""
+        return None
 
     @classmethod
     def default_lora_layers(cls, num_hidden_layers: int, rmu_layer: int) -> str:

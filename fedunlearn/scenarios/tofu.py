@@ -22,6 +22,7 @@ from fedunlearn.evaluation.tofu_metrics import rouge_l_recall
 from fedunlearn.qa_format import format_answer, format_prompt
 from fedunlearn.scenarios.base import (
     ClientAssignment,
+    LearnLayout,
     Scenario,
     ScenarioParams,
     register_scenario,
@@ -177,6 +178,7 @@ class TofuScenario(Scenario):
     with GA; the tofu metrics of docs/algorithms.md, "Evaluation metrics" (forget quality
     against the retain-only reference, model utility)."""
 
+    learns_federated = True
     defaults = {
         "objective.name": "ga",
         "lora.targets": "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj",
@@ -253,6 +255,17 @@ class TofuScenario(Scenario):
 
     def reference_name(self) -> str:
         return f"reference-forget{self.params.forget_percent:g}"
+
+    def learn_layout(self) -> LearnLayout:
+        """Forget clients' forget QA; kept: the retain authors' QA (and, on the generated
+        benchmark, the real-author and world-fact QA, as in :meth:`knowledge_records`)."""
+        forget = tuple(a.indices for a in self.assignments() if a.role == "forget")
+        gone = {i for part in forget for i in part}
+        records = self.records()
+        last = len(records) if not self.params.data_path else len(self.data.author_qa)
+        kept = tuple(i for i in range(last) if i not in gone)
+        groups = tuple(str(records[i].get("author", "general knowledge")) for i in kept)
+        return LearnLayout(forget, kept, groups)
 
     def evaluation_splits(
         self, forget_indices: Collection[int] | None = None

@@ -33,15 +33,21 @@ def train_full(
     seed: int = 0,
     desc: str = "train",
     show_progress: bool = True,
+    proximal_mu: float = 0.0,
 ) -> list[float]:
-    """Train every parameter of ``model`` on ``examples`` with next-token NLL.
+    """Train every parameter of ``model`` that requires a gradient on ``examples`` with
+    next-token NLL; ``proximal_mu`` > 0 adds FedProx's proximal term μ/2·‖w − w₀‖² over those
+    parameters, w₀ their values at the start (the round's global weights).
 
-    Returns the mean loss of every epoch. Shuffling is seeded by ``seed``.
+    Returns the mean loss (the NLL, without the proximal term) of every epoch. Shuffling is
+    seeded by ``seed``.
     """
     if not examples:
         raise ValueError(f"{desc}: no training examples")
     model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    start = [p.detach().clone() for p in trained] if proximal_mu > 0 else []
+    optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(len(examples) / batch_size)
     total = epochs * steps_per_epoch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -55,8 +61,12 @@ def train_full(
         for batch in iterate_batches(examples, batch_size, pad_token_id, rng=rng):
             loss = token_nll(model, batch).mean()
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if start:
+                proximal = sum(((p - p0) ** 2).sum() for p, p0 in zip(trained, start, strict=True))
+                (loss + 0.5 * proximal_mu * proximal).backward()
+            else:
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(trained, 1.0)
             optimizer.step()
             scheduler.step()
             running += loss.item()

@@ -1,7 +1,6 @@
-"""DP2Unlearning core: data shards, FedAvg, the digest of what reached a training loop."""
+"""DP2Unlearning core: data shards, the digest of what reached a training loop."""
 
 import pytest
-import torch
 
 from fedunlearn.benchmarks.tofu import generate_tofu
 from fedunlearn.dp2u import (
@@ -9,7 +8,6 @@ from fedunlearn.dp2u import (
     apply_forget_request,
     data_shards,
     examples_digest,
-    fedavg,
     parse_forget_request,
 )
 
@@ -35,19 +33,6 @@ def test_shards_hold_whole_authors_and_mark_the_forget_request(data):
         assert set(shard.retained) == set(shard.indices) - set(shard.forget)
     with pytest.raises(ValueError, match="dp2u.clients"):
         data_shards(data, num_clients=0, forget_percent=10.0)
-
-
-def test_fedavg_is_the_example_weighted_mean(data):
-    a = {"w": torch.tensor([1.0, 2.0]), "b": torch.tensor([0.0])}
-    b = {"w": torch.tensor([3.0, 6.0]), "b": torch.tensor([4.0])}
-    out = fedavg([a, b], [1.0, 3.0])
-    assert torch.allclose(out["w"], torch.tensor([2.5, 5.0]))
-    assert torch.allclose(out["b"], torch.tensor([3.0]))
-    assert out["w"].dtype == torch.float32
-    with pytest.raises(ValueError, match="shape"):
-        fedavg([a, {"w": torch.zeros(3), "b": torch.zeros(1)}], [1.0, 1.0])
-    with pytest.raises(ValueError, match="names differ"):
-        fedavg([a, {"w": torch.zeros(2)}], [1.0, 1.0])
 
 
 def test_digest_is_order_free_and_content_sensitive():

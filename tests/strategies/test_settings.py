@@ -529,3 +529,14 @@ def test_training_seed_varies_the_clients_training_alone():
     assert other.substrate_config() == base.substrate_config()
     with pytest.raises(RunConfigError, match="training.seed"):
         RunSettings.from_run_config({"training.seed": -2})
+
+
+def test_federated_learning_is_refused_where_clients_do_not_hold_the_knowledge():
+    settings = RunSettings.from_run_config({"learn.source": "federated"})
+    assert settings.learn.source == "federated" and settings.learn.strategy == "fedavg"
+    with pytest.raises(RunConfigError, match="runs on the scenarios \\['tofu'\\], not 'wmdp'"):
+        RunSettings.from_run_config({"learn.source": "federated", "scenario.name": "wmdp"})
+    with pytest.raises(RunConfigError, match="pipeline='dp2u' trains its own federated stages"):
+        RunSettings.from_run_config({"learn.source": "federated", "pipeline": "dp2u"})
+    with pytest.raises(RunConfigError, match="'learn.strategy' = 'fedsgd': must be one of"):
+        RunSettings.from_run_config({"learn.strategy": "fedsgd"})

@@ -1,6 +1,7 @@
-"""dp2u's FedAvg stages survive bad clients (issue 13): broken metrics, metadata and weights
-exclude only that client, and no client can take over or poison the average — real Flower
-messages into the real ``FedTrainStrategy.aggregate_train``."""
+"""The learning stage's and dp2u's Flower strategies survive bad clients (issue 13): broken
+metrics, metadata and weights exclude only that client, and no client can take over or poison
+the aggregate — real Flower messages into the real ``aggregate_train`` of the Flower strategies
+wrapped by ``ShardTraining``."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from flwr.app import (
     RecordDict,
 )
 
-from fedunlearn.dp2u import DataShard, fedavg
+from fedunlearn.dp2u import DataShard
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
-from strategies.fedtrain_strategy import FedTrainStrategy
+from strategies.learn_strategy import LEARN_STRATEGIES, ShardTraining
 from strategies.reply_validation import NO_REPLY_REASON, RoundFailedError
 from tests.strategies.replies import reply_metadata
 
@@ -31,8 +32,17 @@ NODES = (21, 22, 23)
 DIGEST = "ab" * 32
 
 
-def _strategy(**kwargs) -> FedTrainStrategy:
-    strategy = FedTrainStrategy(stage="deploy", shards=SHARDS, **kwargs)
+def fedavg(states, weights) -> dict[str, torch.Tensor]:
+    """The float64 reference: Σ_k w_k θ_k / Σ_k w_k per tensor."""
+    total = float(sum(weights))
+    return {
+        k: sum((w / total) * s[k].double() for s, w in zip(states, weights, strict=True)).float()
+        for k in states[0]
+    }
+
+
+def _strategy(name: str = "fedavg", **kwargs) -> ShardTraining:
+    strategy = LEARN_STRATEGIES[name](stage="deploy", shards=SHARDS, **kwargs)
     strategy.node_shard = dict(zip(NODES, SHARDS, strict=True))
     strategy.global_arrays = ArrayRecord(STATE)
     strategy._round_started = 0.0
@@ -69,7 +79,7 @@ def _replies(**bad: Message | None) -> list[Message]:
     return [r for r in out if r is not None]
 
 
-def _averaged_without(strategy: FedTrainStrategy, replies: list[Message], node: int) -> str:
+def _averaged_without(strategy: ShardTraining, replies: list[Message], node: int) -> str:
     """Run the round; it averages exactly the other clients' weights; ``node``'s reason."""
     arrays, metrics = strategy.aggregate_train(1, replies)
     others = [n for n in NODES if n != node]
@@ -78,7 +88,7 @@ def _averaged_without(strategy: FedTrainStrategy, replies: list[Message], node: 
         [_weights(n) for n in others], [len(SHARDS[NODES.index(n)].training) for n in others]
     )
     averaged = arrays.to_torch_state_dict()
-    assert all(torch.equal(averaged[k], expected[k]) for k in STATE)
+    _assert_mean(averaged, expected)
     excluded = {
         c["node_id"]: c["excluded"] for c in strategy.rounds[-1]["clients"] if "excluded" in c
     }
@@ -87,11 +97,18 @@ def _averaged_without(strategy: FedTrainStrategy, replies: list[Message], node: 
     return excluded[node]
 
 
+def _assert_mean(averaged, expected) -> None:
+    """Flower's float32 weighted mean against the float64 one, to float32 rounding."""
+    for k in STATE:
+        assert averaged[k].dtype == torch.float32
+        torch.testing.assert_close(averaged[k], expected[k], rtol=2e-6, atol=1e-7)
+
+
 def test_honest_round_is_the_weighted_average():
     strategy = _strategy()
     arrays, metrics = strategy.aggregate_train(1, _replies())
     expected = fedavg([_weights(n) for n in NODES], [4, 3, 5])
-    assert all(torch.equal(arrays.to_torch_state_dict()[k], expected[k]) for k in STATE)
+    _assert_mean(arrays.to_torch_state_dict(), expected)
     assert metrics["num-clients"] == 3 and metrics["loss-mean"] == 1.5
     report = strategy.rounds[-1]["clients"][0]
     assert report["num_examples"] == 4 and report["examples_digest"] == DIGEST
@@ -160,3 +177,54 @@ def test_missing_and_crashed_clients_and_a_round_without_valid_replies():
     reasons = {c["node_id"]: c["excluded"] for c in strategy.rounds[-1]["clients"]}
     assert "client error: killed" in reasons[22]
     assert NO_REPLY_REASON in reasons[21] and NO_REPLY_REASON in reasons[23]
+
+
+def test_spooled_replies_average_to_the_same_bits(tmp_path):
+    """upload.stream: Flower's mean one tensor at a time over the memory maps equals its mean
+    over the replies in memory, bit for bit."""
+    from strategies.upload_spool import UploadSpool
+
+    in_memory, _ = _strategy().aggregate_train(1, _replies())
+    spooled, _ = _strategy(spool=UploadSpool(tmp_path / "spool")).aggregate_train(1, _replies())
+    a, b = in_memory.to_torch_state_dict(), spooled.to_torch_state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in STATE)
+
+
+@pytest.mark.parametrize("name", ["fedadam", "fedyogi"])
+def test_server_optimisers_step_towards_the_mean_in_the_model_dtype(name):
+    """FedOpt's first step moves every weight by about η·sign(mean − θ) (Adam / Yogi with zero
+    moments), and comes back in float32 for the next round's dtype checks."""
+    strategy = _strategy(name, eta=1e-3)
+    strategy.current_arrays = {k: v.numpy() for k, v in STATE.items()}  # configure_train's
+    arrays, metrics = strategy.aggregate_train(1, _replies())
+    mean = fedavg([_weights(n) for n in NODES], [4, 3, 5])
+    for k, value in arrays.to_torch_state_dict().items():
+        assert value.dtype == torch.float32
+        step, direction = value - STATE[k], mean[k] - STATE[k]
+        moved = direction.abs() > 1e-5
+        assert torch.equal(torch.sign(step[moved]), torch.sign(direction[moved]))
+        assert step.abs().max() <= 1e-3
+    assert metrics["num-clients"] == 3
+
+
+def test_only_the_trained_weights_are_aggregated_and_the_rest_kept_bit_for_bit():
+    """learn.finetune='lora': replies carry the adapted weights alone; FedAdam steps those and
+    leaves every other weight exactly as it was (no server-optimiser step on rounding noise)."""
+    trained = sorted(k for k in STATE if k.endswith(("q_proj.weight", "v_proj.weight")))
+    strategy = _strategy("fedadam", eta=1e-3, trained_keys=trained)
+    strategy.current_arrays = {k: STATE[k].numpy() for k in trained}  # configure_train's
+    replies = [_reply(n, weights={k: _weights(n)[k] for k in trained}) for n in NODES]
+    arrays, _ = strategy.aggregate_train(1, replies)
+    state = arrays.to_torch_state_dict()
+    assert set(state) == set(STATE)
+    assert all(torch.equal(state[k], STATE[k]) for k in STATE if k not in trained)
+    assert all(not torch.equal(state[k], STATE[k]) for k in trained)
+    full = _reply(21)  # all weights where only the trained ones are expected
+    reason = _averaged_without_trained(strategy, full, trained)
+    assert "missing or unexpected" in reason, reason
+
+
+def _averaged_without_trained(strategy, bad: Message, trained) -> str:
+    others = [_reply(n, weights={k: _weights(n)[k] for k in trained}) for n in NODES[1:]]
+    strategy.aggregate_train(1, [bad, *others])
+    return next(c["excluded"] for c in strategy.rounds[-1]["clients"] if "excluded" in c)

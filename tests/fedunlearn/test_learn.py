@@ -1,0 +1,63 @@
+"""The federated learning stage's record layout: partitions and shards."""
+
+import pytest
+
+from fedunlearn.learn import learn_shards, partition
+from fedunlearn.scenarios import ScenarioParams, get_scenario
+
+POOL = list(range(100, 160))
+GROUPS = [f"author-{(i - 100) // 6}" for i in POOL]  # ten authors of six records
+
+
+def test_iid_parts_are_equal_disjoint_seeded_and_cover_the_pool():
+    parts = partition(POOL, GROUPS, 4, "iid", seed=3)
+    assert sorted(i for p in parts for i in p) == POOL
+    assert [len(p) for p in parts] == [15, 15, 15, 15]
+    assert all(list(p) == sorted(p) for p in parts)  # the pool's order inside a part
+    assert partition(POOL, GROUPS, 4, "iid", seed=3) == parts
+    assert partition(POOL, GROUPS, 4, "iid", seed=4) != parts
+
+
+def test_author_parts_keep_every_author_on_one_client():
+    parts = partition(POOL, GROUPS, 3, "authors", seed=0)
+    assert sorted(i for p in parts for i in p) == POOL
+    owners: dict[str, set[int]] = {}
+    for k, part in enumerate(parts):
+        for i in part:
+            owners.setdefault(GROUPS[POOL.index(i)], set()).add(k)
+    assert all(len(v) == 1 for v in owners.values())
+    assert sorted(len(p) for p in parts) == [18, 18, 24]  # ten authors dealt to the smallest
+
+
+def test_bad_partitions_are_refused():
+    with pytest.raises(ValueError, match="unknown partitioner 'dirichlet'"):
+        partition(POOL, GROUPS, 2, "dirichlet", seed=0)
+    with pytest.raises(ValueError, match=">= 1 part"):
+        partition(POOL, GROUPS, 0, "iid", seed=0)
+
+
+def test_shards_put_forget_records_on_their_clients_and_share_the_kept_ones():
+    forget = [(0, 1), (2, 3)]
+    shards = learn_shards(forget, 3, POOL, GROUPS, partitioner="iid", seed=0)
+    assert [s.forget for s in shards] == [(0, 1), (2, 3), ()]
+    assert [len(s.indices) for s in shards] == [22, 22, 20]
+    assert sorted(i for s in shards for i in s.retained) == POOL  # the reference's records
+    with pytest.raises(ValueError, match="both kept and forgotten"):
+        learn_shards([(100,)], 2, POOL, GROUPS, partitioner="iid", seed=0)
+    with pytest.raises(ValueError, match="client 1 would hold no records"):
+        learn_shards([(0,)], 3, [100], ["a"], partitioner="iid", seed=0)
+
+
+def test_tofu_layout_holds_the_knowledge_of_the_central_fine_tune():
+    params = ScenarioParams(
+        num_authors=20, qa_per_author=10, forget_percent=10.0, retain_samples=100
+    )
+    scenario = get_scenario("tofu")(params)
+    layout = scenario.learn_layout()
+    records = scenario.records()
+    forget_records = [records[i] for part in layout.forget for i in part]
+    assert forget_records == scenario.data.forget_split(10.0)
+    assert len(layout.forget) == params.num_forget_clients
+    kept = [records[i] for i in layout.kept]
+    assert kept == scenario.knowledge_records(include_forget=False)
+    assert layout.kept_groups[0] == records[layout.kept[0]]["author"]

@@ -1,0 +1,73 @@
+"""learn.source='federated' in real Flower simulations: the knowledgeable model and the
+reference learned by the clients with Flower's strategies, cached, then unlearned as usual."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from simulations import run_local
+from tests.simulations.presets import SMALL_TOFU
+
+pytestmark = pytest.mark.slow
+
+LEARN = "learn.source='federated' learn.rounds=2 learn.local-epochs=2 learn.lr=0.004"
+
+
+def _run(tmp_path, name: str, options: str) -> dict:
+    path = run_local.run(
+        run_config=f"{SMALL_TOFU} {LEARN} {options}",
+        output_dir=tmp_path / name,
+        flwr_home=tmp_path / "flwr_home",
+        cache_dir=tmp_path / "cache",
+    )
+    return json.loads(path.read_text())
+
+
+def test_fedprox_learns_both_models_on_the_clients_and_caches_them(tmp_path):
+    results = _run(tmp_path, "first", "learn.strategy='fedprox' learn.proximal-mu=0.05")
+    learn = results["substrate"]["learn"]
+    assert learn["strategy"] == "fedprox" and learn["start"].endswith("pretrained")
+    shards = learn["shards"]
+    assert [s["forget_records"] > 0 for s in shards] == [True] * 5 + [False]
+    for name in ("knowledgeable", "reference"):
+        stage = learn["stages"][name]
+        assert not stage["cached"]
+        losses = [r["loss_mean"] for r in stage["rounds"]]
+        assert len(losses) == 2 and losses[1] < losses[0]
+        assert all(not r["excluded"] for r in stage["rounds"])
+        clients = stage["clients_last_round"]
+        # FedProx's μ reached every client through the Flower strategy's config
+        assert [c["proximal_mu"] for c in clients] == [0.05] * 6
+    # the reference's clients trained without their forget records (dropped on the node)
+    trained = [c["num_examples"] for c in learn["stages"]["reference"]["clients_last_round"]]
+    assert trained == [s["records"] - s["forget_records"] for s in shards]
+    everything = [c["num_examples"] for c in learn["stages"]["knowledgeable"]["clients_last_round"]]
+    assert everything == [s["records"] for s in shards]
+    assert results["metrics"]["before"] != results["metrics"]["reference"]
+    assert "federated_learning" in results["seconds"]
+
+    again = _run(tmp_path, "second", "learn.strategy='fedprox' learn.proximal-mu=0.05")
+    stages = again["substrate"]["learn"]["stages"]
+    assert stages["knowledgeable"]["cached"] and stages["reference"]["cached"]
+    assert again["metrics"]["before"] == results["metrics"]["before"]
+    assert again["metrics"]["after"] == results["metrics"]["after"]
+
+
+def test_lora_learning_changes_only_the_adapted_weights(tmp_path):
+    results = _run(
+        tmp_path,
+        "lora",
+        "learn.strategy='fedadam' learn.finetune='lora' learn.rounds=1 "
+        "lora.targets='q_proj,v_proj' evaluate=false",
+    )
+    learn = results["substrate"]["learn"]
+    key = learn["stages"]["knowledgeable"]["key"]
+    (entry,) = (tmp_path / "cache" / "learn").glob(f"*/{key}")
+    learned = load_file(str(entry / "model.safetensors"))
+    start = AutoModelForCausalLM.from_pretrained(learn["start"], dtype=torch.float32).state_dict()
+    changed = {k for k, v in learned.items() if not torch.equal(v, start[k])}
+    assert changed, "FedAdam over the merged adapters moved no weight"
+    assert all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), sorted(changed)
