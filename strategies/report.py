@@ -18,9 +18,7 @@ Plots are PNGs embedded as base64 (matplotlib, Agg backend): the file needs noth
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -32,6 +30,9 @@ from fedunlearn.files import write_file_atomic
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (the backend is chosen first)
+
+from strategies.report_images import img, png  # noqa: E402
+from strategies.report_requests import requests_section  # noqa: E402
 
 MODELS = ("before", "after", "reference")
 MODEL_LABELS = {"before": "original", "after": "unlearned", "reference": "reference"}
@@ -71,6 +72,7 @@ def render_report(results: Mapping[str, Any], names: Sequence[str]) -> str:
         _clients_section(results.get("clients") or []),
         _merge_section(results.get("merge") or {}),
         _samples_section(results.get("metrics") or {}),
+        requests_section(results),
         "</body></html>",
     ]
     return "\n".join(parts)
@@ -142,7 +144,7 @@ def _metrics_section(
     )
     return (
         "<h2>Metrics</h2>"
-        + (_img(plot, "before / after / reference per metric") if plot else "")
+        + (img(plot, "before / after / reference per metric") if plot else "")
         + f"<table><tr><th class='text'>metric</th>{head}</tr>{rows}</table>"
         + note
     )
@@ -191,7 +193,7 @@ def _merge_section(merge: Mapping[str, Any]) -> str:
     if tensors:
         plot = _damage_plot(tensors)
         if plot:
-            lines.append(_img(plot, "damage per retain client and tensor, before / after"))
+            lines.append(img(plot, "damage per retain client and tensor, before / after"))
         lines.append(_tensor_table(tensors))
     return "\n".join(lines)
 
@@ -289,7 +291,7 @@ def _metrics_plot(
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
-    return _png(fig)
+    return png(fig)
 
 
 def _damage_plot(tensors: Mapping[str, Mapping[str, Any]]) -> bytes | None:
@@ -309,20 +311,7 @@ def _damage_plot(tensors: Mapping[str, Mapping[str, Any]]) -> bytes | None:
     ax.set_ylabel("damage Σ F̃·Δ²")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _png(fig)
-
-
-def _png(fig: Any) -> bytes:
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
-
-
-def _img(png: bytes, alt: str) -> str:
-    data = base64.b64encode(png).decode("ascii")
-    return f"<img alt='{_e(alt)}' src='data:image/png;base64,{data}'>"
+    return png(fig)
 
 
 # -------------------------------------------------------------------------------------- values

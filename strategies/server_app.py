@@ -26,6 +26,7 @@ from strategies.dp2u_pipeline import Dp2uPipeline
 from strategies.learn_pipeline import learn_federated
 from strategies.log_progress import progress_in_log
 from strategies.report import write_report
+from strategies.requests_pipeline import run_requests
 from strategies.results import format_summary_table, json_safe, summary_names, take_scores
 from strategies.run_setup import (
     RunModel,
@@ -82,7 +83,8 @@ def main(grid: Grid, context: Context) -> None:
         t0 = time.perf_counter()
         run_model.info["learn"] = learn_federated(grid, settings, run_model)
         phases["federated_learning"] = time.perf_counter() - t0
-    results, metrics = PIPELINES[settings.pipeline](
+    pipeline = "requests" if settings.requests.schedule else settings.pipeline
+    results, metrics = PIPELINES[pipeline](
         grid, settings, run_model, output_dir, phases, run_started
     )
     _write_results(output_dir, results, metrics, run_model.scenario)
@@ -117,6 +119,7 @@ def run_dp2u(
 PIPELINES: dict[str, Callable[..., tuple[dict[str, Any], dict[str, Any]]]] = {
     "unlearn": run_unlearning,
     "dp2u": run_dp2u,
+    "requests": run_requests,  # the unlearn pipeline with requests.schedule
 }
 
 

@@ -40,6 +40,7 @@ from fedunlearn.options import (
     option,
     typed_value,
 )
+from fedunlearn.requests import RequestsOptions, read_schedule
 from fedunlearn.scenarios import SCENARIOS, ScenarioParams
 from fedunlearn.scenarios.options import ScenarioOptions
 from fedunlearn.training.lora import parse_layers
@@ -169,6 +170,7 @@ class RunSettings:
     mpu: MpuOptions = field(default_factory=MpuOptions)
     dp2u: Dp2uOptions = field(default_factory=Dp2uOptions)
     learn: LearnOptions = field(default_factory=LearnOptions)
+    requests: RequestsOptions = field(default_factory=RequestsOptions)
     eval: EvalOptions = field(default_factory=EvalOptions)
     server: ServerOptions = field(default_factory=ServerOptions)
 
@@ -266,8 +268,20 @@ class RunSettings:
             )
 
     def _validate_learn(self) -> None:
-        """Federated learning runs before an unlearning run, on a scenario whose knowledge
-        its clients hold (``Scenario.learn_layout``)."""
+        """Federated learning and a schedule of deletion requests run in an unlearning run, on
+        a scenario whose knowledge its clients hold (``Scenario.learn_layout``); the schedule
+        names a request for every round (syntax checked here, names and records against the
+        clients' data before the first round)."""
+        if self.requests.schedule:
+            if self.pipeline != "unlearn" or self.scenario.name != "tofu":
+                raise RunConfigError(
+                    "requests.schedule runs in pipeline='unlearn' on scenario 'tofu', not "
+                    f"pipeline={self.pipeline!r} on {self.scenario.name!r}"
+                )
+            try:
+                read_schedule(self.requests.schedule, self.num_rounds)
+            except ValueError as err:
+                raise RunConfigError(str(err)) from err
         if self.learn.source != "federated":
             return
         if self.pipeline != "unlearn":

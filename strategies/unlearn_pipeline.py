@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from logging import INFO
 from pathlib import Path
 from typing import Any, cast
@@ -20,6 +20,7 @@ from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 
 from fedunlearn.files import default_cache_dir
+from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
     CHECKPOINT_DIR,
@@ -121,10 +122,16 @@ def run_unlearning(
 
 
 def federate(
-    grid: Grid, strategy: MergeStrategy, settings: RunSettings, initial: ArrayRecord, done: int
+    grid: Grid,
+    strategy: MergeStrategy,
+    settings: RunSettings,
+    initial: ArrayRecord,
+    done: int,
+    rounds: int | None = None,
 ) -> tuple[ArrayRecord, dict[str, Any]]:
-    """Rounds ``done + 1 .. num-rounds`` of ``strategy`` from ``initial`` (θ, or the resumed
-    weights): the final weights and the strategy's record."""
+    """Rounds ``done + 1 .. num-rounds`` (or ``done + 1 .. done + rounds``) of ``strategy``
+    from ``initial`` (θ, or the resumed weights): the final weights and the strategy's
+    record."""
     result = strategy.start(
         # a StreamingGrid is the Grid with send_and_receive streamed (it forwards the rest)
         grid=(
@@ -138,7 +145,8 @@ def federate(
             else grid
         ),
         initial_arrays=initial,
-        num_rounds=settings.num_rounds - done,  # Flower counts them from 1 (+ round_offset)
+        # Flower counts them from 1 (+ round_offset)
+        num_rounds=settings.num_rounds - done if rounds is None else rounds,
         timeout=settings.server.round_timeout,
         train_config=ConfigRecord(),
     )
@@ -219,11 +227,14 @@ def build_strategy(
     checkpoint: RunCheckpoint,
     done: int,
     output_dir: Path,
+    assignments: Sequence[ClientAssignment] | None = None,
 ) -> MergeStrategy:
     """The merge strategy of ``merge`` (MPU around it with ``wrapper=mpu``),
-    configured for this run's clients, checkpoint and resume point."""
+    configured for this run's clients (``assignments``; None: the scenario's), checkpoint and
+    resume point."""
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
-    assignments = scenario.assignments()
+    if assignments is None:
+        assignments = scenario.assignments()
     client_config = {
         **describe_model(model, tokenizer),
         **client_settings(settings),

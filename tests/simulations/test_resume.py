@@ -229,3 +229,52 @@ def test_killed_run_resumes_to_the_same_weights(tmp_path, tiny_checkpoint, runs)
     assert again["resumed_from_round"] == NUM_ROUNDS
     assert again["metrics"]["after"] == reference["metrics"]["after"]
     assert again["clients"] == resumed["clients"]
+
+
+def _schedule() -> str:
+    """Three requests, one forget author each, from clients 0, 1 and 2 at rounds 1, 2, 3."""
+    from fedunlearn.benchmarks.tofu import generate_tofu
+
+    authors = generate_tofu(seed=0, num_authors=20, qa_per_author=10).forget_authors(15.0)
+    return json.dumps({str(k + 1): {str(k): {"authors": [a]}} for k, a in enumerate(authors)})
+
+
+def test_a_request_schedule_killed_after_round_two_resumes_to_the_same_results(
+    tmp_path, tiny_checkpoint, runs
+):
+    (tmp_path / "schedule.json").write_text(_schedule())
+    run_config = (
+        SMALL_RUN.replace("num-forget-clients=2", "num-forget-clients=3")
+        + f" model.path='{tiny_checkpoint}' num-rounds=3 scenario.forget-percent=15.0 "
+        f"requests.schedule='{tmp_path / 'schedule.json'}'"
+    )
+    killed = tmp_path / "killed"
+    process = runs.start(run_config, killed)
+    ended = runs.wait(process, until=lambda: _finished_round(killed) >= 2)
+    assert not ended, "the run ended before round 2: " + runs.outputs[-1][-3000:]
+    runs.kill(process)
+    assert _finished_round(killed) == 2 and not (killed / "results.json").exists()
+
+    resumed = runs.run(run_config, killed)
+    assert resumed["resumed_from_round"] == 2
+    reference = runs.run(run_config, tmp_path / "reference")
+    got, want = _final_weights(killed), _final_weights(tmp_path / "reference")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert resumed["requests"] == reference["requests"]
+    assert resumed["rounds"] == reference["rounds"]
+    assert resumed["metrics"]["after"] == reference["metrics"]["after"]
+
+    requests = reference["requests"]
+    assert [(q["round"], q["client"], q["records"]) for q in requests] == [
+        (1, 0, 10),
+        (2, 1, 10),
+        (3, 2, 10),
+    ]
+    assert [r["requests_served"] for r in reference["rounds"]] == [1, 2, 3]
+    for q in requests:  # every request scored after every round, with its interval
+        assert sorted(q["metrics_by_round"]) == ["1", "2", "3"]
+        low, high = q["metrics_ci_by_round"]["3"]["forget_rouge_l"]
+        assert low <= q["metrics_by_round"]["3"]["forget_rouge_l"] <= high
+    (forget,) = [a for a in reference["assignments"] if a["role"] == "forget"]  # round 3's
+    assert len(forget["indices"]) == 10 and len(reference["assignments"]) == 4
+    assert "Deletion requests" in (tmp_path / "reference" / "report.html").read_text()
