@@ -13,12 +13,12 @@ from tests.simulations.presets import SMALL_TOFU
 
 pytestmark = pytest.mark.slow
 
-LEARN = "learn.source='federated' learn.rounds=2 learn.local-epochs=2 learn.lr=0.004"
+LEARN = "learn.source='federated' learn.local-epochs=2"
 
 
-def _run(tmp_path, name: str, options: str) -> dict:
+def _run(tmp_path, name: str, options: str, rounds: int = 2) -> dict:
     path = run_local.run(
-        run_config=f"{SMALL_TOFU} {LEARN} {options}",
+        run_config=f"{SMALL_TOFU} {LEARN} learn.rounds={rounds} {options}",
         output_dir=tmp_path / name,
         flwr_home=tmp_path / "flwr_home",
         cache_dir=tmp_path / "cache",
@@ -60,8 +60,9 @@ def test_lora_learning_changes_only_the_adapted_weights(tmp_path):
     results = _run(
         tmp_path,
         "lora",
-        "learn.strategy='fedadam' learn.finetune='lora' learn.rounds=1 "
-        "lora.targets='q_proj,v_proj' evaluate=false",
+        "learn.strategy='fedadam' learn.finetune='lora' lora.targets='q_proj,v_proj' "
+        "evaluate=false",
+        rounds=1,
     )
     learn = results["substrate"]["learn"]
     key = learn["stages"]["knowledgeable"]["key"]
