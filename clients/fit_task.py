@@ -10,7 +10,7 @@ its own records for one round and send them back (the server averages them):
 * ``stage='deploy'`` (stage B, and the learning stage's knowledgeable model) and
   ``'retrain'`` (RFS-R, and the learning stage's reference): plain training on every record
   (``learn-finetune='lora'``: a LoRA adapter merged into the weights; ``proximal-mu`` > 0:
-  FedProx's proximal term);
+  FedProx's proximal term; ``lr-schedule='constant'``: the round's ``lr`` throughout);
 * ``stage='unlearn'`` (stage C) and ``'retrain'``: the records named in ``forget-indices`` are
   dropped HERE, before anything is encoded; the reply carries a digest of exactly the
   examples that reached the training loop, so the server can verify it.
@@ -138,6 +138,7 @@ def _train_round(
         seed=seed,
         show_progress=False,
         proximal_mu=float(config_scalar(config, "proximal-mu", 0.0)),
+        lr_schedule=str(config.get("lr-schedule", "warmup-cosine")),
     )
     if lora:  # the weights W + s·B·A, under the base model's own names
         model = model.merge_and_unload()  # type: ignore[operator]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from logging import INFO
 from pathlib import Path
@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM
 from fedunlearn.dp2u import DataShard
 from fedunlearn.files import default_cache_dir
 from fedunlearn.learn import learn_shards
+from fedunlearn.training.full import warmup_cosine
 from fedunlearn.training.lora import LoraSettings, adapted_parameter_names
 from strategies.learn_strategy import LEARN_STRATEGIES
 from strategies.run_setup import RunModel, client_settings
@@ -55,10 +56,13 @@ def run_stage(
     strategy: str = "fedavg",
     flower: Mapping[str, Any] | None = None,
     trained_keys: Sequence[str] | None = None,
+    round_config: Callable[[int], Mapping[str, Any]] | None = None,
 ) -> tuple[str, dict[str, torch.Tensor], dict[str, Any]]:
     """Run (or load from ``cache``) ``rounds`` rounds of ``strategy`` from ``start`` = (key,
     weights); returns (its key, its weights, its info: rounds, seconds, client reports,
-    ``cached``). ``trained_keys``: the weights the clients train (None: all)."""
+    ``cached``). ``trained_keys``: the weights the clients train (None: all);
+    ``round_config``: config keys of each round (they are part of the cache key through
+    ``client_config``, which must name what determines them)."""
     s = settings
     key = StageCache.key(
         stage=stage,
@@ -86,6 +90,7 @@ def run_stage(
         max_update_ratio=s.server.max_update_ratio,
         spool=UploadSpool(s.resolved_output_dir() / SPOOL_DIR) if s.upload.stream else None,
         trained_keys=trained_keys,
+        round_config=round_config,
         **dict(flower or {}),
     )
     started = time.perf_counter()
@@ -145,7 +150,8 @@ def learn_federated(grid: Grid, settings: RunSettings, run_model: RunModel) -> d
     client_config = {
         **describe_model(run_model.model, run_model.tokenizer),
         **client_settings(settings),
-        "lr": s.lr,
+        "lr": s.lr,  # round r's: s.lr × the cosine decay over the rounds (_round_lr)
+        "lr-schedule": "constant",
         "batch-size": s.batch_size,
         "local-epochs": s.local_epochs,
         "learn-finetune": s.finetune,
@@ -176,11 +182,18 @@ def learn_federated(grid: Grid, settings: RunSettings, run_model: RunModel) -> d
             strategy=s.strategy,
             flower=_flower_options(settings),
             trained_keys=_trained_keys(settings, run_model),
+            round_config=lambda r: {"lr": _round_lr(s.lr, r, s.rounds)},
         )
         targets[name].load_state_dict(state, strict=False)
         record["stages"][name] = _stage_summary(info)
     run_model.checkpoint = None  # the weights no longer match the folder they were loaded from
     return record
+
+
+def _round_lr(lr: float, server_round: int, rounds: int) -> float:
+    """The clients' learning rate in ``server_round`` (1-based): ``lr`` decayed by a cosine
+    over the rounds to 0.05 × ``lr`` in the last (constant within a round)."""
+    return lr * warmup_cosine(server_round - 1, rounds - 1, 0) if rounds > 1 else lr
 
 
 def _trained_keys(settings: RunSettings, run_model: RunModel) -> list[str] | None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from logging import INFO
 from typing import Any, cast
 
@@ -109,6 +109,9 @@ class ShardTraining:
     spool : UploadSpool | None (default: None)
         ``upload.stream``: each client's weights go to disk as they are read and are averaged
         from memory maps one tensor at a time (``strategies.upload_spool``).
+    round_config : Callable[[int], Mapping[str, Any]] | None (default: None)
+        Config keys that change with the round (the learning stage's ``lr``, decayed over
+        the rounds), added to every node's config.
     trained_keys : Collection[str] | None (default: None)
         The weights clients train and send back (``learn.finetune='lora'``: the adapted ones);
         the Flower strategy aggregates these alone and the others stay as they are. None: all.
@@ -129,6 +132,7 @@ class ShardTraining:
         max_update_ratio: float = DEFAULT_MAX_UPDATE_RATIO,
         spool: UploadSpool | None = None,
         trained_keys: Collection[str] | None = None,
+        round_config: Callable[[int], Mapping[str, Any]] | None = None,
         **flower: Any,
     ) -> None:
         if not shards:
@@ -153,6 +157,7 @@ class ShardTraining:
         self.rounds: list[dict[str, Any]] = []  # per round: client reports, seconds
         self.spool = spool
         self.trained_keys = None if trained_keys is None else sorted(trained_keys)
+        self.round_config = round_config
 
     def summary(self) -> None:
         log(INFO, "\t├── stage %s on %d data clients", self.stage, len(self.shards))
@@ -182,6 +187,7 @@ class ShardTraining:
                 {
                     **self.client_config,
                     **dict(flower_config.get(node_id, {})),
+                    **(self.round_config(server_round) if self.round_config else {}),
                     "stage": self.stage,
                     "indices": list(shard.training),
                     "forget-indices": list(shard.forget),

@@ -34,10 +34,13 @@ def train_full(
     desc: str = "train",
     show_progress: bool = True,
     proximal_mu: float = 0.0,
+    lr_schedule: str = "warmup-cosine",
 ) -> list[float]:
     """Train every parameter of ``model`` that requires a gradient on ``examples`` with
     next-token NLL; ``proximal_mu`` > 0 adds FedProx's proximal term μ/2·‖w − w₀‖² over those
-    parameters, w₀ their values at the start (the round's global weights).
+    parameters, w₀ their values at the start (the round's global weights). ``lr_schedule``:
+    ``warmup-cosine`` (linear warm-up, cosine decay to 0.05 × ``lr``) or ``constant`` (a
+    federated round's local steps, whose decay the server schedules over the rounds).
 
     Returns the mean loss (the NLL, without the proximal term) of every epoch. Shuffling is
     seeded by ``seed``.
@@ -50,8 +53,12 @@ def train_full(
     optimizer = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay)
     steps_per_epoch = math.ceil(len(examples) / batch_size)
     total = epochs * steps_per_epoch
+    if lr_schedule not in ("warmup-cosine", "constant"):
+        raise ValueError(f"{desc}: unknown lr_schedule {lr_schedule!r}")
+    warmup = int(warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: warmup_cosine(s, total, int(warmup_ratio * total))
+        optimizer,
+        lambda s: warmup_cosine(s, total, warmup) if lr_schedule == "warmup-cosine" else 1.0,
     )
     rng = random.Random(seed)
     epoch_losses: list[float] = []

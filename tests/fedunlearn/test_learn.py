@@ -61,3 +61,42 @@ def test_tofu_layout_holds_the_knowledge_of_the_central_fine_tune():
     kept = [records[i] for i in layout.kept]
     assert kept == scenario.knowledge_records(include_forget=False)
     assert layout.kept_groups[0] == records[layout.kept[0]]["author"]
+
+
+def _distance_after_training(model, examples, pad, **kwargs) -> float:
+    from fedunlearn.training.full import train_full
+
+    start = [p.detach().clone() for p in model.parameters()]
+    train_full(
+        model,
+        examples,
+        pad_token_id=pad,
+        epochs=2,
+        lr=1e-2,
+        batch_size=4,
+        show_progress=False,
+        **kwargs,
+    )
+    return float(
+        sum(((p - s) ** 2).sum() for p, s in zip(model.parameters(), start, strict=True)) ** 0.5
+    )
+
+
+def test_fedprox_term_keeps_local_weights_near_the_round_start(
+    tiny_model, tiny_tokenizer, tiny_data
+):
+    import copy
+
+    from fedunlearn.qa_format import encode_record
+
+    examples = [encode_record(tiny_tokenizer, r) for r in tiny_data.author_qa[:16]]
+    pad = tiny_tokenizer.pad_token_id
+    free = _distance_after_training(copy.deepcopy(tiny_model), examples, pad)
+    held = _distance_after_training(copy.deepcopy(tiny_model), examples, pad, proximal_mu=100.0)
+    assert held < 0.5 * free, (held, free)
+    constant = _distance_after_training(
+        copy.deepcopy(tiny_model), examples, pad, lr_schedule="constant"
+    )
+    assert constant > free  # no warm-up or decay: more movement at the same peak rate
+    with pytest.raises(ValueError, match="unknown lr_schedule 'linear'"):
+        _distance_after_training(tiny_model, examples, pad, lr_schedule="linear")
