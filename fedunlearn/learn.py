@@ -49,15 +49,17 @@ class LearnOptions:
         "Flower's aggregation of the learning rounds: fedavg, fedprox, fedadam, fedyogi",
         OneOf(lambda: LEARN_STRATEGY_NAMES),
     )
-    rounds: int = option(8, "rounds of federated learning (each model)", POSITIVE_INT)
-    local_epochs: int = option(2, "epochs over its own records per client and round", POSITIVE_INT)
+    rounds: int = option(20, "rounds of federated learning (each model)", POSITIVE_INT)
+    local_epochs: int = option(3, "epochs over its own records per client and round", POSITIVE_INT)
     finetune: str = option(
         "full",
         "full: every weight; lora: a LoRA adapter (lora.rank, lora.targets) merged into the "
         "weights before they are sent",
         OneOf(lambda: LEARN_FINETUNE),
     )
-    lr: float = option(2e-3, "clients' AdamW learning rate (warm-up, cosine decay)", POSITIVE)
+    lr: float = option(
+        3e-3, "clients' AdamW learning rate in round 1, cosine-decayed over the rounds", POSITIVE
+    )
     batch_size: int = option(32, "clients' batch size", POSITIVE_INT)
     proximal_mu: float = option(
         0.01, "fedprox: μ of the proximal term μ/2·‖w − w_round‖² on the clients", NON_NEGATIVE

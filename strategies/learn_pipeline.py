@@ -19,12 +19,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from logging import INFO
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord
 from flwr.common.logger import log
 from flwr.serverapp import Grid
+from flwr.serverapp.strategy import Strategy
 from transformers import AutoModelForCausalLM
 
 from fedunlearn.dp2u import DataShard
@@ -95,7 +96,7 @@ def run_stage(
     )
     started = time.perf_counter()
     try:
-        result = runner.start(
+        result = cast(Strategy, runner).start(  # ShardTraining is a Flower strategy's mixin
             grid=grid,
             initial_arrays=ArrayRecord({k: v.contiguous() for k, v in start[1].items()}),
             num_rounds=rounds,

@@ -413,7 +413,9 @@ def _flower_reply(arrays: ArrayRecord, num_examples: int, node_id: int = 0) -> M
         ttl=0.0,
         message_type=MessageType.TRAIN,
     )
-    return Message(content, metadata=metadata)
+    # a reply's constructor (what the SuperLink hands the ServerApp), outside Flower's typed
+    # public overloads; built here because no run context exists to fill it in a test
+    return Message(content, metadata=metadata)  # type: ignore[call-overload]
 
 
 class FedAvgTraining(ShardTraining, FedAvg):
