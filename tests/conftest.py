@@ -32,13 +32,14 @@ os.environ.setdefault("FEDUNLEARN_FEDERATION_CONFIG", "init-args-num-cpus=1")
 LONGEST_FILES = (
     "tests/simulations/test_scenarios_end_to_end.py",  # 8.5: two substrate builds, two runs
     "tests/simulations/test_end_to_end.py",  # 7
-    "tests/simulations/test_resume.py",  # 5.5
+    "tests/simulations/test_resume.py",  # 7: two killed runs resumed (MPU, a request schedule)
     "tests/simulations/test_real_check.py",  # 4.5
     "tests/simulations/test_dp2u_flower.py",  # 4.5
     "tests/simulations/test_objectives_flower.py",  # 4
     "tests/simulations/test_mpu_flower.py",  # 4
     "tests/simulations/test_deploy.py",  # 3.5
     "tests/simulations/test_memory_bounds.py",  # 3: two runs, one of a 0.26 GB model
+    "tests/simulations/test_learn_flower.py",  # 3: federated learning, cached, and LoRA
     "tests/simulations/test_scale_check.py",  # 2.6
     "tests/simulations/test_studies.py",  # 3
     "tests/simulations/test_model_delivery_flower.py",  # 2
