@@ -155,7 +155,7 @@ def run_requests(
     results = {
         "config": settings.as_dict(),
         "metrics": metrics,
-        "requests": _requests_record(requests, evaluated),
+        "requests": _requests_record(requests, evaluated, reference, positions, settings.seed),
         "rounds": [
             {"round": r, **{k: v for k, v in e.items() if k != "metrics"}}
             for r, e in sorted(evaluated.items())
@@ -202,13 +202,24 @@ def _evaluate_round(
 
 
 def _requests_record(
-    requests: list[ScheduledRequest], evaluated: dict[int, dict[str, Any]]
+    requests: list[ScheduledRequest],
+    evaluated: dict[int, dict[str, Any]],
+    reference: dict[str, Any] | None,
+    positions: list[list[int]],
+    seed: int,
 ) -> list[dict[str, Any]]:
-    """results.json ``requests``: each request and its forget metrics after every round."""
+    """results.json ``requests``: each request, its forget metrics after every round, and the
+    retain-only reference's on the same questions (what "forgotten" is measured against)."""
     out = []
     for i, request in enumerate(requests):
+        on_reference = request_metrics(reference, positions[i], None, seed) if reference else None
         out.append(
             {
+                **(
+                    {"reference": on_reference[0], "reference_ci": on_reference[1]}
+                    if on_reference
+                    else {}
+                ),
                 "round": request.round,
                 "client": request.client,
                 "authors": list(request.authors),
