@@ -39,13 +39,13 @@ def requests_section(results: Mapping[str, Any]) -> str:
             f"<td>{_value(r.get('retain_rouge_l'))}</td>" + "".join(cells) + "</tr>"
         )
     if all("reference" in q for q in requests):
-        cells = "".join(
+        reference = "".join(
             "<td>"
             + _value(q["reference"].get("forget_rouge_l"), q["reference_ci"].get("forget_rouge_l"))
             + "</td>"
             for q in requests
         )
-        rows.append(f"<tr><td>reference</td><td></td><td></td><td></td>{cells}</tr>")
+        rows.append(f"<tr><td>reference</td><td></td><td></td><td></td>{reference}</tr>")
     plot = sustainability_plot(requests, rounds)
     return (
         "<h2>Deletion requests</h2>"

@@ -76,3 +76,32 @@ def test_run_without_evaluation_and_atomic_write(tmp_path: Path):
     assert "Not evaluated (evaluate=false)" in page
     assert page.count("src='data:image/png;base64,") == 1  # only the damage plot
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]
+
+
+def test_request_schedule_section_plots_every_request_and_the_reference_row():
+    from strategies.report_requests import requests_section
+
+    def request(served_in: int, values: list[float]) -> dict:
+        return {
+            "round": served_in,
+            "client": served_in - 1,
+            "metrics_by_round": {str(r + 1): {"forget_rouge_l": v} for r, v in enumerate(values)},
+            "metrics_ci_by_round": {
+                str(r + 1): {"forget_rouge_l": [v - 0.05, v + 0.05]} for r, v in enumerate(values)
+            },
+            "reference": {"forget_rouge_l": 0.6},
+            "reference_ci": {"forget_rouge_l": [0.55, 0.65]},
+        }
+
+    results = {
+        "requests": [request(1, [0.66, 0.65]), request(2, [0.98, 0.46])],
+        "rounds": [
+            {"round": 1, "requests_served": 1, "model_utility": 0.51, "retain_rouge_l": 0.96},
+            {"round": 2, "requests_served": 2, "model_utility": 0.46, "retain_rouge_l": 0.80},
+        ],
+    }
+    page = requests_section(results)
+    assert page.count("<img") == 1 and "Deletion requests" in page
+    assert "0.460 <span class='note'>[0.410, 0.510]</span>" in page  # request 2 after round 2
+    assert "<td>reference</td>" in page and "0.600 <span class='note'>[0.550, 0.650]" in page
+    assert requests_section({"requests": [], "rounds": []}) == ""
