@@ -162,6 +162,7 @@ def run_requests(
         ],
         "clients": record.get("clients", []),
         "merge": record.get("merge", {}),
+        **({"mpu": record["mpu"]} if "mpu" in record else {}),  # wrapper='mpu': the last round's
         "substrate": run_model.info,
         "assignments": record.get("assignments", []),
         "seconds": phases,
