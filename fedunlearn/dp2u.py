@@ -17,6 +17,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from fedunlearn.benchmarks.tofu import TofuData
 from fedunlearn.options import (
@@ -144,6 +145,18 @@ class ForgetRequest:
     records: tuple[int, ...] = ()
 
 
+def json_or_file(key: str, text: str) -> str:
+    """The JSON text of run-config key ``key``: ``text`` itself when it is a JSON object, else
+    the contents of the file it names (``~`` expanded); a clear error when it is neither."""
+    text = text.strip()
+    if text.startswith("{"):
+        return text
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise ValueError(f"{key}: {text!r} is neither JSON nor a file")
+    return path.read_text()
+
+
 def parse_forget_request(text: str) -> list[ForgetRequest]:
     """``{"<client>": {"authors": [...], "records": [...]}, ...}`` (JSON) → requests in client
     order. Syntax and types only; :func:`apply_forget_request` checks them against the data."""
@@ -151,10 +164,15 @@ def parse_forget_request(text: str) -> list[ForgetRequest]:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"forget request is not valid JSON: {err}") from None
+    return forget_requests(raw)
+
+
+def forget_requests(raw: object) -> list[ForgetRequest]:
+    """:func:`parse_forget_request` of the already decoded JSON value ``raw``."""
     if not isinstance(raw, dict) or not raw:
         raise ValueError(
             'forget request must be a non-empty JSON object {"<client>": {"authors": [...], '
-            f'"records": [...]}}, got {text[:80]!r}'
+            f'"records": [...]}}, got {json.dumps(raw)[:80]!r}'
         )
     requests = []
     for client, entry in raw.items():

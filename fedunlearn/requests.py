@@ -19,12 +19,11 @@ import json
 import random
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from fedunlearn.dp2u import DataShard, ForgetRequest, parse_forget_request
+from fedunlearn.dp2u import DataShard, ForgetRequest, forget_requests, json_or_file
 from fedunlearn.evaluation.intervals import SCORE_SETS_KEY, SCORES_KEY, metric_intervals
 from fedunlearn.evaluation.tofu_metrics import forget_quality
 from fedunlearn.options import option, option_group
@@ -50,14 +49,9 @@ def read_schedule(text: str, num_rounds: int | None = None) -> dict[int, list[Fo
     ascending; {} when unset. With ``num_rounds``, rounds 1..num_rounds must each have
     requests and none come later. Syntax and types only: the pipeline checks the names and
     indices against the clients' records before any round."""
-    text = text.strip()
-    if not text:
+    if not text.strip():
         return {}
-    if not text.startswith("{"):
-        path = Path(text).expanduser()
-        if not path.is_file():
-            raise ValueError(f"requests.schedule: {text!r} is neither JSON nor a file")
-        text = path.read_text()
+    text = json_or_file("requests.schedule", text)
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
@@ -72,7 +66,7 @@ def read_schedule(text: str, num_rounds: int | None = None) -> dict[int, list[Fo
         if not str(round_text).isdigit() or int(round_text) < 1:
             raise ValueError(f"requests.schedule: round {round_text!r} is not a round >= 1")
         try:
-            schedule[int(round_text)] = parse_forget_request(json.dumps(requests))
+            schedule[int(round_text)] = forget_requests(requests)
         except ValueError as err:
             raise ValueError(f"requests.schedule, round {round_text}: {err}") from None
     if num_rounds is not None and sorted(schedule) != list(range(1, num_rounds + 1)):

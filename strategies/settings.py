@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from fedunlearn.benchmarks.wmdp import HAZARD_DOMAINS
-from fedunlearn.dp2u import Dp2uOptions, ForgetRequest, parse_forget_request
+from fedunlearn.dp2u import Dp2uOptions, ForgetRequest, json_or_file, parse_forget_request
 from fedunlearn.evaluation.options import EvalOptions
 from fedunlearn.learn import LearnOptions
 from fedunlearn.merging.firm import FirmOptions
@@ -482,15 +482,9 @@ class RunSettings:
 
     def forget_request(self) -> list[ForgetRequest]:
         """The parsed ``dp2u.forget-request`` (inline JSON or a JSON file); [] when unset."""
-        text = self.dp2u.forget_request.strip()
-        if not text:
+        if not self.dp2u.forget_request.strip():
             return []
-        if not text.startswith("{"):
-            path = Path(text).expanduser()
-            if not path.is_file():
-                raise ValueError(f"dp2u.forget-request: {text!r} is neither JSON nor a file")
-            text = path.read_text()
-        return parse_forget_request(text)
+        return parse_forget_request(json_or_file("dp2u.forget-request", self.dp2u.forget_request))
 
     @property
     def num_clients(self) -> int:
