@@ -14,12 +14,13 @@ import json
 import resource
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import cast
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, ConfigRecordValues, Context, Message, RecordDict
 from flwr.clientapp import ClientApp
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from clients.base_checkpoint import base_declaration, received_model, simulated_node
 from clients.fit_task import fit_reply, lora_settings
@@ -40,6 +41,7 @@ from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vec
 from wire.delivery import BASE_OFFER_KEY, SHARED_MACHINE_KEY
 from wire.messages import (
     FIT_ACTION,
+    add_kept_part,
     config_list,
     config_scalar,
     encode_client_reply,
@@ -134,18 +136,23 @@ def train(msg: Message, context: Context) -> Message:
         activation_checkpointing=bool(config.get("activation-checkpointing", False)),
     )
     copies = int(config_scalar(config, "mpu-copies", 0))
+    kept = [int(i) for i in config_list(config, "kept-indices", [])]
+    if kept and copies:
+        raise ValueError(f"{owner}: a mixed-role client receives one copy of the model, not MPU's")
     names = ["arrays"] if copies == 0 else [f"arrays-{k}" for k in range(copies)]
     outputs = []
     for k, name in enumerate(names):
         # the copy's weights move into the model and the message lets go of them: one copy of
-        # the model is alive at a time (the next copy is decoded after this one is trained)
+        # the model is alive at a time (the next copy is decoded after this one is trained;
+        # a mixed-role client keeps the received weights for its second upload)
         model = received_model(
             config,
             typed_record(msg.content, name, ArrayRecord, owner),
             context,
             copy=k if copies else None,
         )
-        del msg.content[name]
+        if not kept:
+            del msg.content[name]
         outputs.append(
             local_update(
                 model,
@@ -158,7 +165,36 @@ def train(msg: Message, context: Context) -> Message:
             )
         )
         del model
-    metrics = {
+    content = encode_client_reply(
+        role=role,
+        domain=str(config["domain"]),
+        objective=objective,
+        num_examples=len(examples),
+        task_vector=packed_record(outputs[0][0]),
+        fisher=packed_record(outputs[0][1]),
+        metrics=reply_metrics(outputs, started),
+    )
+    if kept:
+        arrays = typed_record(msg.content, "arrays", ArrayRecord, owner)
+        model = received_model(config, arrays, context)
+        del msg.content["arrays"], arrays
+        add_kept_part(content, kept_reply(model, records, kept, tokenizer, config, settings))
+    if copies:
+        content["task_vector-0"] = content["task_vector"]
+        content["fisher-0"] = content["fisher"]
+        del content["task_vector"], content["fisher"]
+        for k, (task_vector, fisher, _) in enumerate(outputs[1:], start=1):
+            content[f"task_vector-{k}"] = packed_record(task_vector)
+            content[f"fisher-{k}"] = packed_record(fisher)
+    return Message(content=content, reply_to=msg)
+
+
+def reply_metrics(
+    outputs: list[tuple[dict, dict, dict[str, float]]], started: float
+) -> dict[str, float]:
+    """The reply's metrics: the last copy's, with times and upload sizes summed over the
+    copies, and the process's peak resident memory so far (ru_maxrss, MiB on Linux)."""
+    return {
         **outputs[-1][2],
         "fisher-seconds": sum(o[2]["fisher-seconds"] for o in outputs),
         "train-seconds": sum(o[2]["train-seconds"] for o in outputs),
@@ -168,26 +204,48 @@ def train(msg: Message, context: Context) -> Message:
             key: sum(o[2][key] for o in outputs)
             for key in ("bytes-sent", "bytes-task-vector", "bytes-fisher", "bytes-dense")
         },
-        # the client process's peak resident memory so far (ru_maxrss, MiB on Linux)
         "peak-rss-mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
-    content = encode_client_reply(
-        role=role,
-        domain=str(config["domain"]),
-        objective=objective,
-        num_examples=len(examples),
-        task_vector=packed_record(outputs[0][0]),
-        fisher=packed_record(outputs[0][1]),
-        metrics=metrics,
+
+
+def kept_reply(
+    model: PreTrainedModel,
+    records: list,
+    kept: list[int],
+    tokenizer: PreTrainedTokenizerBase,
+    config: ConfigRecord,
+    forget_settings: LocalTrainSettings,
+) -> RecordDict:
+    """A mixed-role client's second upload: what a retain client holding the ``kept``
+    records would send — Fisher and task vector of ``model`` trained with ``nll`` and the
+    retain role's ``kept-steps``, ``kept-lr`` and ``kept-seed``."""
+    started = time.perf_counter()
+    examples = [encode_record(tokenizer, r) for r in shard(records, kept, "kept")]
+    settings = replace(
+        forget_settings,
+        objective="nll",
+        steps=int(config_scalar(config, "kept-steps")),
+        lr=float(config_scalar(config, "kept-lr")),
+        seed=int(config_scalar(config, "kept-seed")),
     )
-    if copies:
-        content["task_vector-0"] = content["task_vector"]
-        content["fisher-0"] = content["fisher"]
-        del content["task_vector"], content["fisher"]
-        for k, (task_vector, fisher, _) in enumerate(outputs[1:], start=1):
-            content[f"task_vector-{k}"] = packed_record(task_vector)
-            content[f"fisher-{k}"] = packed_record(fisher)
-    return Message(content=content, reply_to=msg)
+    output = local_update(
+        model,
+        examples,
+        config,
+        settings,
+        pad_token_id=tokenizer.pad_token_id,
+        retain_examples=None,
+        alternate_examples=None,
+    )
+    return encode_client_reply(
+        role="retain",
+        domain=str(config["kept-domain"]),
+        objective="nll",
+        num_examples=len(examples),
+        task_vector=packed_record(output[0]),
+        fisher=packed_record(output[1]),
+        metrics=reply_metrics([output], started),
+    )
 
 
 def local_update(

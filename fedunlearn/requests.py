@@ -77,6 +77,10 @@ def read_schedule(text: str, num_rounds: int | None = None) -> dict[int, list[Fo
     return dict(sorted(schedule.items()))
 
 
+#: The domain of every retain upload in a schedule's rounds
+RETAIN_DOMAIN = "retain"
+
+
 @dataclass(frozen=True)
 class ScheduledRequest:
     """One request of the schedule, checked against the clients' records: it arrives before
@@ -96,12 +100,15 @@ def round_assignments(
     retain_samples: int,
     local_retain_samples: int,
     seed: int,
+    mixed_clients: int = 0,
 ) -> list[ClientAssignment]:
     """Who does what in one round of the schedule, one assignment per client in shard order: a
     client asked to forget (``serving``) unlearns the requested records (with
     ``local_retain_samples`` of the records it keeps as local retain data); every other client
-    retains a seeded sample of ``retain_samples`` of the records it keeps. Records forgotten
-    in this or an earlier round (``forgotten``) are nobody's retain data any more."""
+    retains a seeded sample of ``retain_samples`` of the records it keeps. A client among the
+    first ``mixed_clients`` that is asked to forget is mixed-role: it also uploads a retain
+    task vector of such a sample from the same node. Records forgotten in this or an earlier
+    round (``forgotten``) are nobody's retain data any more."""
     rng = random.Random(seed)
     asked: dict[int, list[int]] = {}
     for request in serving:
@@ -113,13 +120,28 @@ def round_assignments(
         if k in asked:
             local = rng.sample(kept, min(local_retain_samples, len(kept)))
             records = tuple(dict.fromkeys(asked[k]))
-            out.append(ClientAssignment("forget", TOFU_FORGET_DOMAIN, records, tuple(local)))
+            also = _retain_sample(k, kept, retain_samples, rng) if k < mixed_clients else ()
+            out.append(
+                ClientAssignment(
+                    "forget",
+                    TOFU_FORGET_DOMAIN,
+                    records,
+                    tuple(local),
+                    kept_indices=also,
+                    kept_domain=RETAIN_DOMAIN if also else "",
+                )
+            )
         else:
-            if not kept:
-                raise ValueError(f"client {k} keeps no records to retain")
-            sample = sorted(rng.sample(kept, min(retain_samples, len(kept))))
-            out.append(ClientAssignment("retain", "retain", tuple(sample)))
+            sample = _retain_sample(k, kept, retain_samples, rng)
+            out.append(ClientAssignment("retain", RETAIN_DOMAIN, sample))
     return out
+
+
+def _retain_sample(client: int, kept: list[int], size: int, rng: random.Random) -> tuple[int, ...]:
+    """A seeded sample of at most ``size`` of the records client ``client`` keeps."""
+    if not kept:
+        raise ValueError(f"client {client} keeps no records to retain")
+    return tuple(sorted(rng.sample(kept, min(size, len(kept)))))
 
 
 def request_metrics(

@@ -38,6 +38,7 @@ from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
 from strategies.memory import phase_peak_bytes, reset_phase_peak
 from strategies.merge_plugins import merge_kwargs, resolve_merge, streams_delta
+from strategies.mixed_replies import decode_kept_part, is_kept_part, node_of
 from strategies.model_delivery import ModelDelivery
 from strategies.new_weights import NewWeights
 from strategies.node_roles import assign_and_declare
@@ -224,8 +225,9 @@ class MergeStrategy(Strategy):
         log(INFO, "\t├── Merge: %s %s", self.merge, self.merge_kwargs)
         log(
             INFO,
-            "\t└── Clients: %d forget, %d retain",
+            "\t└── Clients: %d forget (%d of them mixed-role), %d retain",
             roles.count("forget"),
+            sum(a.mixed for a in self.assignments),
             roles.count("retain"),
         )
 
@@ -269,6 +271,7 @@ class MergeStrategy(Strategy):
                     "seed": client_seed(
                         int(self.client_config.get("seed", 0)), position, server_round
                     ),
+                    **self._kept_config(assignment, server_round),
                 }
             )
             content = self.node_content(server_round, position, arrays, node_config)
@@ -279,6 +282,25 @@ class MergeStrategy(Strategy):
                 dst_node_id=node_id,
                 group_id=str(server_round),
             )
+
+    def _kept_config(self, assignment: ClientAssignment, server_round: int) -> dict[str, Any]:
+        """A mixed-role node's second task: the records it keeps, trained with the retain
+        role's settings and the seed of the client it would be on its own — the k-th kept part
+        takes position (nodes + k), where ``fold_mixed`` put that retain client's upload."""
+        if not assignment.mixed:
+            return {}
+        mixed = [a for a in self.node_assignment.values() if a.mixed]
+        rank = next(k for k, a in enumerate(mixed) if a is assignment)
+        position = len(self.node_assignment) + rank
+        retain = self.role_config.get("retain", {})
+        return {
+            "kept-indices": list(assignment.kept_indices),
+            "kept-domain": assignment.kept_domain,
+            **{f"kept-{key}": value for key, value in retain.items()},
+            "kept-seed": client_seed(
+                int(self.client_config.get("seed", 0)), position, server_round
+            ),
+        }
 
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord
@@ -304,13 +326,16 @@ class MergeStrategy(Strategy):
             else None,
         )
 
-    def upload_limit_bytes(self) -> int:
-        """``server.max-upload-mb`` in bytes, or (0) the largest honest reply for this model."""
+    def upload_limit_bytes(self, node_id: int | None = None) -> int:
+        """``server.max-upload-mb`` in bytes, or (0) the largest honest reply for this model;
+        twice that for a mixed-role node (two uploads in one reply)."""
+        assignment = self.node_assignment.get(node_id) if node_id is not None else None
+        parts = 2 if assignment is not None and assignment.mixed else 1
         if self.max_upload_mb > 0:
-            return int(self.max_upload_mb * 2**20)
+            return parts * int(self.max_upload_mb * 2**20)
         if self.global_arrays is None:
             return 0
-        return auto_upload_limit(expected_shapes(self.global_arrays), self.copies)
+        return parts * auto_upload_limit(expected_shapes(self.global_arrays), self.copies)
 
     def decode_reply(
         self, server_round: int, node_id: int, content: RecordDict
@@ -385,12 +410,12 @@ class MergeStrategy(Strategy):
         """One validated update per node that replied well, in the scenario's client order
         (the same run config then gives the same floating-point sums); a report per node
         (:func:`~strategies.round_steps.collect_replies`)."""
-        limit = self.upload_limit_bytes()
 
-        def read(node_id: int, reply: Message, report: dict[str, Any]) -> ClientUpdate:
-            update, fields = self._take_reply(server_round, node_id, reply, limit)
-            report.update(role=update.role, domain=update.domain, **fields)
-            return update
+        def read(node_id: int, reply: Message, report: dict[str, Any]) -> list[ClientUpdate]:
+            limit = self.upload_limit_bytes(node_id)
+            updates, fields = self._take_reply(server_round, node_id, reply, limit)
+            report.update(role=updates[0].role, domain=updates[0].domain, **fields)
+            return updates
 
         # Flower's start loop hands over only the replies that arrived before the round timeout
         expected = {
@@ -401,7 +426,11 @@ class MergeStrategy(Strategy):
         for report in self.client_reports:  # what each node was sent (model_delivery)
             report.update(self.delivery.report(int(report["node_id"])))
         order = {node_id: i for i, node_id in enumerate(self.node_assignment)}
-        return [collected.values[n] for n in sorted(collected.values, key=order.__getitem__)]
+        nodes = sorted(collected.values, key=order.__getitem__)
+        # every node's own upload, then the mixed-role nodes' kept parts (``fold_mixed``)
+        return [collected.values[n][0] for n in nodes] + [
+            u for n in nodes for u in collected.values[n][1:]
+        ]
 
     def receive_reply(self, reply: Message) -> None:
         """Read a TRAIN reply the moment it arrives (``strategies.streaming_grid``): with a
@@ -417,34 +446,36 @@ class MergeStrategy(Strategy):
         ):
             return  # aggregate_train reads (or refuses) it as usual
         try:
-            update, fields = self._take_reply(
-                self._round, node_id, reply, self.upload_limit_bytes()
+            updates, fields = self._take_reply(
+                self._round, node_id, reply, self.upload_limit_bytes(node_id)
             )
-            outcome: Any = (update, {**fields, "read_on_arrival": True})
+            outcome: Any = (updates, {**fields, "read_on_arrival": True})
         except Exception as err:  # noqa: BLE001 — reported when aggregate_train gets to it
             outcome = err
         self._received[(node_id, meta.message_id)] = outcome
 
     def _take_reply(
         self, server_round: int, node_id: int, reply: Message, limit: int
-    ) -> tuple[ClientUpdate, dict[str, Any]]:
-        """The reply's validated update (stored in the spool, if any) and report fields, read
-        now or taken from what :meth:`receive_reply` read on arrival."""
+    ) -> tuple[list[ClientUpdate], dict[str, Any]]:
+        """The reply's validated updates (its own; a mixed-role node's kept part second),
+        stored in the spool, if any, and report fields, read now or taken from what
+        :meth:`receive_reply` read on arrival."""
         received = self._received.pop((node_id, reply.metadata.message_id), None)
         if isinstance(received, Exception):
             raise received
         if received is not None:
             return received
-        update, fields = self._read_reply(server_round, node_id, reply, limit)
+        updates, fields = self._read_reply(server_round, node_id, reply, limit)
         if self.spool is not None:
             self.spool.begin_round(server_round)
-            update = self.spool.store(update, self.reply_spec(node_id).shapes)
+            shapes = self.reply_spec(node_id).shapes
+            updates = [self.spool.store(u, shapes) for u in updates]
             drop_arrays(reply)
-        return update, fields
+        return updates, fields
 
     def _read_reply(
         self, server_round: int, node_id: int, reply: Message, limit: int
-    ) -> tuple[ClientUpdate, dict[str, Any]]:
+    ) -> tuple[list[ClientUpdate], dict[str, Any]]:
         if reply.has_error():
             raise ReplyRejected(
                 node_id,
@@ -457,21 +488,35 @@ class MergeStrategy(Strategy):
             "bytes_metadata": metadata_bytes(reply.content),
         }
         update, fields = self.decode_reply(server_round, node_id, reply.content)
-        return update, {**fields, **sizes}
+        assignment = self.node_assignment[node_id]
+        if not assignment.mixed:
+            return [update], {**fields, **sizes}
+        kept, kept_fields = decode_kept_part(
+            node_id, reply.content, self.reply_spec(node_id), assignment.kept_domain
+        )
+        return [update, kept], {**fields, **sizes, "kept": kept_fields}
 
     def _drop_inconsistent(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """Exclude clients off the round's key set, then task-vector norm outliers of their
-        role (``server.client-norm-ratio``; ``sanity.norm_outliers``)."""
+        role (``server.client-norm-ratio``; ``sanity.norm_outliers``). A mixed-role node is
+        excluded with both its uploads when either is."""
         odd = check_same_key_sets({u.node_id: u.task_vector.keys() for u in updates})
-        for node_id, reason in odd.items():
-            exclude(self._reports[int(node_id)], reason)
-        updates = [u for u in updates if u.node_id not in odd]
+        for update_id, reason in odd.items():
+            exclude(self._reports[node_of(update_id)], reason)
+        dropped = {node_of(n) for n in odd}
+        updates = [u for u in updates if node_of(u.node_id) not in dropped]
         outliers, norms = norm_outliers(updates, self.client_norm_ratio)
-        for node_id, norm in norms.items():
-            self._reports[int(node_id)]["upload_norm"] = norm
-        for node_id, problem in outliers.items():
-            exclude(self._reports[int(node_id)], str(ReplyRejected(node_id, problem)))
-        return [u for u in updates if u.node_id not in outliers]
+        for update_id, norm in norms.items():
+            self._part_report(update_id)["upload_norm"] = norm
+        for update_id, problem in outliers.items():
+            exclude(self._reports[node_of(update_id)], str(ReplyRejected(update_id, problem)))
+        dropped = {node_of(n) for n in outliers}
+        return [u for u in updates if node_of(u.node_id) not in dropped]
+
+    def _part_report(self, update_id: int | str) -> dict[str, Any]:
+        """The report of the node an update came from (a kept part: its ``kept`` fields)."""
+        report = self._reports[node_of(update_id)]
+        return report["kept"] if is_kept_part(update_id) else report
 
     def _robust(self, updates: list[ClientUpdate]) -> list[ClientUpdate]:
         """The ``server.robust-norm-bound`` / ``server.fisher-cap`` options (both 0: ``updates``
@@ -482,7 +527,7 @@ class MergeStrategy(Strategy):
             updates, norm_bound=self.robust_norm_bound, fisher_cap=self.fisher_cap
         )
         for u in updates:
-            self._reports[int(u.node_id)].update(robust.get(str(u.node_id), {}))
+            self._part_report(u.node_id).update(robust.get(str(u.node_id), {}))
         return updates
 
     def _merge(self, updates: list[ClientUpdate], new_weights: NewWeights) -> MergeResult:
@@ -551,6 +596,11 @@ class MergeStrategy(Strategy):
                         "domain": a.domain,
                         "indices": list(a.indices),
                         "retain_indices": list(a.retain_indices),
+                        **(
+                            {"kept_indices": list(a.kept_indices), "kept_domain": a.kept_domain}
+                            if a.mixed
+                            else {}
+                        ),
                     }
                     for node_id, a in self.node_assignment.items()
                 ],

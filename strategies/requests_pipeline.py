@@ -130,6 +130,7 @@ def run_requests(
             retain_samples=settings.scenario.retain_samples,
             local_retain_samples=settings.scenario_params().local_retain_samples,
             seed=settings.seed + server_round,
+            mixed_clients=settings.scenario.mixed_clients,
         )
         log(INFO, "round %d serves %d request(s)", server_round, len(serving))
         strategy = build_strategy(

@@ -343,6 +343,32 @@ class RunSettings:
         except ValueError as err:
             raise RunConfigError(f"run-config key 'merge' = {self.merge!r}: {err}") from err
 
+    def _validate_mixed(self) -> None:
+        """``scenario.mixed-clients``: each folds a forget and a retain client onto one node
+        (a schedule: that many of its clients); single-copy unlearning rounds only."""
+        scenario, mixed = self.scenario, self.scenario.mixed_clients
+        if mixed == 0:
+            return
+        key = f"run-config key 'scenario.mixed-clients' = {mixed}"
+        if self.pipeline != "unlearn":
+            raise RunConfigError(f"{key}: mixed-role clients upload in pipeline='unlearn' only")
+        if self.wrapper == "mpu":
+            raise RunConfigError(
+                f"{key}: wrapper='mpu' sends each node m perturbed copies; a mixed-role "
+                "node's second upload is not supported there (use separate retain clients)"
+            )
+        if self.requests.schedule:
+            if mixed > self.num_clients:
+                raise RunConfigError(f"{key}: more than the run's {self.num_clients} clients")
+            return
+        most = min(scenario.num_forget_clients, scenario.num_retain_clients)
+        if mixed > most:
+            raise RunConfigError(
+                f"{key}: each mixed-role client takes over one retain client's records; the "
+                f"run has {scenario.num_forget_clients} forget and "
+                f"{scenario.num_retain_clients} retain clients (at most {most})"
+            )
+
     def _validate_fisher_upload(self) -> None:
         """A top-k Fisher upload keeps at least FIRM's own top-``alpha`` of every tensor."""
         upload, alpha = self.upload, self.firm.alpha
@@ -361,6 +387,7 @@ class RunSettings:
                 f"[0, {self.num_clients}] (the run's clients)"
             )
         scenario = self.scenario
+        self._validate_mixed()
         domains = scenario.forget_domain_list()
         if scenario.name == "wmdp" and scenario.num_forget_clients < len(domains):
             raise RunConfigError(
@@ -490,7 +517,10 @@ class RunSettings:
     def num_clients(self) -> int:
         if self.pipeline == "dp2u":
             return self.dp2u.clients
-        return self.scenario.num_forget_clients + self.scenario.num_retain_clients
+        clients = self.scenario.num_forget_clients + self.scenario.num_retain_clients
+        if self.requests.schedule:  # every client holds records; mixed-role when asked
+            return clients
+        return clients - self.scenario.mixed_clients  # a mixed-role node is two clients
 
     @property
     def strategy_label(self) -> str:

@@ -20,7 +20,7 @@ from flwr.serverapp import Grid
 from transformers import PreTrainedModel
 
 from fedunlearn.files import default_cache_dir
-from fedunlearn.scenarios import ClientAssignment
+from fedunlearn.scenarios import ClientAssignment, fold_mixed
 from fedunlearn.uploads import save_uploads
 from strategies.checkpoint import (
     CHECKPOINT_DIR,
@@ -234,7 +234,7 @@ def build_strategy(
     resume point."""
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     if assignments is None:
-        assignments = scenario.assignments()
+        assignments = fold_mixed(scenario.assignments(), settings.scenario.mixed_clients)
     client_config = {
         **describe_model(model, tokenizer),
         **client_settings(settings),

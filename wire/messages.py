@@ -6,7 +6,8 @@ model and tokenizer: ``model-config-json``, ``tokenizer-json``).
 Client → server: ``task_vector`` and ``fisher`` (ArrayRecords of upload parts keyed by model
 parameter names: dense tensors, LoRA factors, bf16 or top-k Fisher — see
 :mod:`fedunlearn.upload_codec`), ``metrics`` (MetricRecord) and ``info`` (ConfigRecord: role,
-domain, objective).
+domain, objective). A mixed-role client (config ``kept-indices``) adds its second upload, the
+task vector of the records it keeps, as the same four records under :data:`KEPT_PREFIX`.
 """
 
 from __future__ import annotations
@@ -194,6 +195,25 @@ def encode_client_reply(
     return content
 
 
+#: Prefix of a mixed-role reply's records of its second (retain) upload: ``kept-task_vector``...
+KEPT_PREFIX = "kept-"
+REPLY_RECORDS = ("task_vector", "fisher", "metrics", "info")
+
+
+def add_kept_part(content: RecordDict, part: RecordDict) -> None:
+    """Move the records of ``part`` (an :func:`encode_client_reply` of the kept records) into
+    ``content`` under :data:`KEPT_PREFIX`."""
+    for name in list(part):
+        content[KEPT_PREFIX + name] = part.pop(name)
+
+
+def kept_part(content: RecordDict) -> RecordDict:
+    """The second upload of a mixed-role reply as a reply of its own (its records renamed
+    back; an empty RecordDict when the reply has none)."""
+    names = [name for name in REPLY_RECORDS if KEPT_PREFIX + name in content]
+    return RecordDict({name: content[KEPT_PREFIX + name] for name in names})
+
+
 def _record(parts: dict[str, torch.Tensor] | ArrayRecord) -> ArrayRecord:
     if isinstance(parts, ArrayRecord):
         return parts
@@ -219,7 +239,7 @@ def decoded_arrays(
 
 
 def decode_client_reply(
-    node_id: int, content: RecordDict, shapes: Mapping[str, tuple[int, ...]] | None = None
+    node_id: int | str, content: RecordDict, shapes: Mapping[str, tuple[int, ...]] | None = None
 ) -> tuple[ClientUpdate, dict]:
     """Unpack a reply into a ``ClientUpdate`` and its metrics; errors (``ValueError`` /
     ``TypeError``) name the node. The server validates the reply before

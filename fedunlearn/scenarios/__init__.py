@@ -8,6 +8,7 @@ from fedunlearn.scenarios.base import (
     ClientAssignment,
     Scenario,
     ScenarioParams,
+    fold_mixed,
     get_scenario,
     register_scenario,
 )
@@ -28,6 +29,7 @@ __all__ = [
     "ScenarioParams",
     "TofuScenario",
     "all_records",
+    "fold_mixed",
     "get_scenario",
     "register_scenario",
     "tofu_assignments",

@@ -34,12 +34,45 @@ class ClientAssignment:
     from its local copy of the data, so no record text travels in the assignment.
     ``retain_indices`` (forget clients only, may be empty) is a small sample of data the
     client also holds and keeps — what GradDiff, KL and RMU regularise with.
+    ``kept_indices`` (forget clients only, usually empty) makes the client *mixed-role*: it
+    also holds these records to keep and uploads a second task vector, trained on them as a
+    retain client of domain ``kept_domain`` would, from the same node (:func:`fold_mixed`).
     """
 
     role: str  # "forget" | "retain"
     domain: str
     indices: tuple[int, ...]
     retain_indices: tuple[int, ...] = ()
+    kept_indices: tuple[int, ...] = ()
+    kept_domain: str = ""
+
+    @property
+    def mixed(self) -> bool:
+        """The client forgets ``indices`` and also keeps ``kept_indices`` (two uploads)."""
+        return bool(self.kept_indices)
+
+
+def fold_mixed(assignments: Sequence[ClientAssignment], mixed: int) -> list[ClientAssignment]:
+    """The clients with the first ``mixed`` forget clients made mixed-role: forget client j
+    (j < ``mixed``) also holds the records of the j-th of the LAST ``mixed`` retain clients,
+    which no longer have a node of their own. Forget clients come first, then the remaining
+    retain clients, so the uploads in merge order (every node's own, then the kept parts in
+    node order) are those of the unfolded clients in their order."""
+    forget = [a for a in assignments if a.role == "forget"]
+    retain = [a for a in assignments if a.role == "retain"]
+    if mixed < 0 or mixed > min(len(forget), len(retain)):
+        raise ValueError(
+            f"scenario.mixed-clients={mixed}: needs as many forget clients and retain clients "
+            f"to fold together, the scenario has {len(forget)} forget and {len(retain)} retain"
+        )
+    if mixed == 0:
+        return list(assignments)
+    folded = retain[len(retain) - mixed :]
+    mixed_clients = [
+        replace(a, kept_indices=r.indices, kept_domain=r.domain)
+        for a, r in zip(forget, folded, strict=False)
+    ]
+    return mixed_clients + forget[mixed:] + retain[: len(retain) - mixed]
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,13 @@ class ScenarioOptions:
     local_retain_samples: int = option(
         32, "retain records each forget client also holds, for objectives that use them", COUNT
     )
+    mixed_clients: int = option(
+        0,
+        "forget clients that also keep data and upload a retain task vector from the same "
+        "node (each takes over one retain client's records; with requests.schedule: clients "
+        "0..n-1 when they are asked to forget)",
+        COUNT,
+    )
     num_forget_domains: int = option(
         1, "tofu: forget authors split into this many domains (tofu-forget-<d>)", POSITIVE_INT
     )

@@ -85,3 +85,25 @@ def test_request_metrics_are_the_means_and_ks_test_of_its_questions():
     assert high <= max(rouge[p] for p in positions)
     assert set(intervals) == {"forget_rouge_l", "forget_truth_ratio", "forget_quality"}
     assert request_metrics(metrics, positions, None, seed=0)[0]["forget_quality"] is None
+
+
+def test_a_mixed_role_client_asked_to_forget_also_retains_what_it_keeps():
+    serving = [ScheduledRequest(1, 0, ("A",), (0, 1)), ScheduledRequest(1, 1, ("B",), (2, 3))]
+    forgotten = {0, 1, 2, 3}
+    plain = round_assignments(
+        SHARDS, serving, forgotten, retain_samples=2, local_retain_samples=1, seed=0
+    )
+    mixed = round_assignments(
+        SHARDS,
+        serving,
+        forgotten,
+        retain_samples=2,
+        local_retain_samples=1,
+        seed=0,
+        mixed_clients=1,
+    )
+    assert [a.mixed for a in plain] == [False] * 3
+    assert [a.mixed for a in mixed] == [True, False, False]  # client 1 is not among the first
+    assert mixed[0].indices == (0, 1) and mixed[0].kept_domain == "retain"
+    assert len(mixed[0].kept_indices) == 2 and set(mixed[0].kept_indices) <= {10, 11, 12}
+    assert mixed[0].retain_indices == plain[0].retain_indices  # its local sample as before

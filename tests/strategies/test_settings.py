@@ -541,3 +541,23 @@ def test_federated_learning_is_refused_where_clients_do_not_hold_the_knowledge()
         RunSettings.from_run_config({"learn.source": "federated", "pipeline": "dp2u"})
     with pytest.raises(RunConfigError, match="'learn.strategy' = 'fedsgd': must be one of"):
         RunSettings.from_run_config({"learn.strategy": "fedsgd"})
+
+
+def test_mixed_clients_fold_onto_forget_nodes_within_what_the_run_has():
+    settings = RunSettings.from_run_config(
+        {"scenario.mixed-clients": 1, "scenario.num-forget-clients": 2}
+    )
+    assert settings.num_clients == 2  # two forget nodes, one of them keeps the retain records
+    with pytest.raises(RunConfigError, match="2 forget and 1 retain clients \\(at most 1\\)"):
+        RunSettings.from_run_config({"scenario.mixed-clients": 2, "scenario.num-forget-clients": 2})
+    with pytest.raises(RunConfigError, match="not supported there"):
+        RunSettings.from_run_config({"scenario.mixed-clients": 1, "wrapper": "mpu"})
+    with pytest.raises(RunConfigError, match="pipeline='unlearn' only"):
+        RunSettings.from_run_config({"scenario.mixed-clients": 1, "pipeline": "dp2u"})
+    scheduled = RunSettings.from_run_config(
+        {
+            "scenario.mixed-clients": 1,
+            "requests.schedule": '{"1": {"0": {"records": [1]}}}',
+        }
+    )
+    assert scheduled.num_clients == 6  # every client holds records; mixed when it is asked
