@@ -38,7 +38,7 @@ from fedunlearn.scenarios import ClientAssignment
 from strategies.checkpoint import RunCheckpoint
 from strategies.memory import phase_peak_bytes, reset_phase_peak
 from strategies.merge_plugins import merge_kwargs, resolve_merge, streams_delta
-from strategies.mixed_replies import decode_kept_part, is_kept_part, node_of
+from strategies.mixed_replies import decode_kept_part, is_kept_part, kept_config, node_of
 from strategies.model_delivery import ModelDelivery
 from strategies.new_weights import NewWeights
 from strategies.node_roles import assign_and_declare
@@ -271,7 +271,13 @@ class MergeStrategy(Strategy):
                     "seed": client_seed(
                         int(self.client_config.get("seed", 0)), position, server_round
                     ),
-                    **self._kept_config(assignment, server_round),
+                    **kept_config(
+                        assignment,
+                        list(self.node_assignment.values()),
+                        self.role_config.get("retain", {}),
+                        int(self.client_config.get("seed", 0)),
+                        server_round,
+                    ),
                 }
             )
             content = self.node_content(server_round, position, arrays, node_config)
@@ -282,25 +288,6 @@ class MergeStrategy(Strategy):
                 dst_node_id=node_id,
                 group_id=str(server_round),
             )
-
-    def _kept_config(self, assignment: ClientAssignment, server_round: int) -> dict[str, Any]:
-        """A mixed-role node's second task: the records it keeps, trained with the retain
-        role's settings and the seed of the client it would be on its own — the k-th kept part
-        takes position (nodes + k), where ``fold_mixed`` put that retain client's upload."""
-        if not assignment.mixed:
-            return {}
-        mixed = [a for a in self.node_assignment.values() if a.mixed]
-        rank = next(k for k, a in enumerate(mixed) if a is assignment)
-        position = len(self.node_assignment) + rank
-        retain = self.role_config.get("retain", {})
-        return {
-            "kept-indices": list(assignment.kept_indices),
-            "kept-domain": assignment.kept_domain,
-            **{f"kept-{key}": value for key, value in retain.items()},
-            "kept-seed": client_seed(
-                int(self.client_config.get("seed", 0)), position, server_round
-            ),
-        }
 
     def node_content(
         self, server_round: int, position: int, arrays: ArrayRecord, node_config: ConfigRecord

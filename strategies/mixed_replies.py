@@ -9,14 +9,17 @@ whose id, ``"<node>-kept"``, records the node it came from.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from flwr.app import RecordDict
 
 from fedunlearn.merging import ClientUpdate
+from fedunlearn.scenarios import ClientAssignment
 from strategies.reply_fields import ReplyRejected
 from strategies.reply_validation import ReplySpec, validate_reply_content
+from strategies.seeding import client_seed
 from wire.messages import KEPT_PREFIX, decode_client_reply, kept_part
 
 KEPT_SUFFIX = "-kept"
@@ -35,6 +38,30 @@ def is_kept_part(update_id: int | str) -> bool:
 def node_of(update_id: int | str) -> int:
     """The node an update came from (its own id, or a kept part's node)."""
     return int(str(update_id).removesuffix(KEPT_SUFFIX))
+
+
+def kept_config(
+    assignment: ClientAssignment,
+    nodes: Sequence[ClientAssignment],
+    retain_config: Mapping[str, Any],
+    seed: int,
+    server_round: int,
+) -> dict[str, Any]:
+    """What a mixed-role node (``assignment``, one of the round's ``nodes`` in node order) is
+    sent for its second part ({} for any other node): the records it keeps, the retain role's
+    settings (``retain_config``) under ``kept-`` and the seed of the client it would be on its
+    own — the k-th kept part takes merge position (nodes + k), where ``fold_mixed`` put that
+    retain client's upload."""
+    if not assignment.mixed:
+        return {}
+    mixed = [a for a in nodes if a.mixed]
+    rank = next(k for k, a in enumerate(mixed) if a is assignment)
+    return {
+        "kept-indices": list(assignment.kept_indices),
+        "kept-domain": assignment.kept_domain,
+        **{f"kept-{key}": value for key, value in retain_config.items()},
+        "kept-seed": client_seed(seed, len(nodes) + rank, server_round),
+    }
 
 
 def decode_kept_part(
