@@ -9,26 +9,25 @@ reference is the same training without the forget records (federated retraining,
 standard), each forget client dropping them on its own node.
 
 Record layout: each forget client holds its forget records (the scenario's assignment) and
-every client — forget and retain — a share of the knowledge that is kept (``learn.partitioner``:
-``iid``, a seeded random split in equal parts; ``authors``, whole authors per client, their order
-seeded), so that a forget client is a data holder that also keeps data, as in deployments.
+every client — forget and retain — a share of the knowledge that is kept (``learn.partitioner``,
+:mod:`fedunlearn.partitioners`: ``iid``, equal random parts; ``dirichlet``, each author's records
+spread in Dirichlet proportions; ``authors``, whole authors per client), so that a forget
+client is a data holder that also keeps data, as in deployments.
 """
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fedunlearn.dp2u import DataShard
 from fedunlearn.options import NON_NEGATIVE, POSITIVE, POSITIVE_INT, OneOf, option, option_group
+from fedunlearn.partitioners import PARTITIONERS, partition
 
 #: Where the knowledgeable model and the reference come from (``learn.source``).
 LEARN_SOURCES = ("central", "federated")
 #: Flower's aggregation strategies the learning stage runs (``learn.strategy``).
 LEARN_STRATEGY_NAMES = ("fedavg", "fedprox", "fedadam", "fedyogi")
-#: How the kept knowledge is split over the clients (``learn.partitioner``).
-PARTITIONERS = ("iid", "authors")
 #: What a client trains in a learning round (``learn.finetune``).
 LEARN_FINETUNE = ("full", "lora")
 
@@ -67,43 +66,14 @@ class LearnOptions:
     server_lr: float = option(1e-2, "fedadam / fedyogi: the server optimiser's step η", POSITIVE)
     partitioner: str = option(
         "iid",
-        "how the kept knowledge is split over all clients: iid (equal random parts) or "
+        "how the kept knowledge is split over all clients (Flower Datasets' partitioners): iid "
+        "(equal random parts), dirichlet (each author's records in Dirichlet proportions) or "
         "authors (whole authors per client)",
         OneOf(lambda: PARTITIONERS),
     )
-
-
-def partition(
-    pool: Sequence[int], groups: Sequence[str], num_parts: int, how: str, seed: int
-) -> list[tuple[int, ...]]:
-    """Split the record indices ``pool`` into ``num_parts`` parts: ``iid`` shuffles them
-    (seeded) and cuts equal parts; ``authors`` keeps each group (``groups[i]`` names the group
-    of ``pool[i]``, e.g. its author) whole, shuffles the groups' order (seeded) and deals them
-    to the parts with the fewest records first. Each part keeps the pool's order."""
-    if num_parts < 1:
-        raise ValueError(f"partition needs >= 1 part, got {num_parts}")
-    if len(groups) != len(pool):
-        raise ValueError(f"{len(groups)} group names for {len(pool)} records")
-    rng = random.Random(seed)
-    parts: list[list[int]] = [[] for _ in range(num_parts)]
-    if how == "iid":
-        order = list(pool)
-        rng.shuffle(order)
-        for k in range(num_parts):
-            parts[k] = order[k::num_parts]
-    elif how == "authors":
-        by_group: dict[str, list[int]] = {}
-        for index, group in zip(pool, groups, strict=True):
-            by_group.setdefault(group, []).append(index)
-        names = list(by_group)
-        rng.shuffle(names)
-        for name in names:
-            smallest = min(range(num_parts), key=lambda k: (len(parts[k]), k))
-            parts[smallest].extend(by_group[name])
-    else:
-        raise ValueError(f"unknown partitioner {how!r} (expected one of {PARTITIONERS})")
-    position = {index: i for i, index in enumerate(pool)}
-    return [tuple(sorted(part, key=position.__getitem__)) for part in parts]
+    dirichlet_alpha: float = option(
+        0.5, "dirichlet: the concentration α (small: each author mostly on one client)", POSITIVE
+    )
 
 
 def learn_shards(
@@ -114,6 +84,7 @@ def learn_shards(
     *,
     partitioner: str,
     seed: int,
+    dirichlet_alpha: float = 0.5,
 ) -> list[DataShard]:
     """One :class:`~fedunlearn.dp2u.DataShard` per client of the layout: client ``k`` holds
     ``forget[k]`` (its forget records; forget clients come first, retain clients hold none)
@@ -124,7 +95,7 @@ def learn_shards(
     overlap = set(kept).intersection(i for part in forget for i in part)
     if overlap:
         raise ValueError(f"records {sorted(overlap)[:5]} are both kept and forgotten")
-    parts = partition(kept, kept_groups, num_clients, partitioner, seed)
+    parts = partition(kept, kept_groups, num_clients, partitioner, seed, dirichlet_alpha)
     shards = []
     for k in range(num_clients):
         own = tuple(forget[k]) if k < len(forget) else ()

@@ -141,6 +141,7 @@ def learn_federated(grid: Grid, settings: RunSettings, run_model: RunModel) -> d
         layout.kept_groups,
         partitioner=s.partitioner,
         seed=settings.seed,
+        dirichlet_alpha=s.dirichlet_alpha,
     )
     start_path = _start_checkpoint(settings, run_model)
     start_key = "start-" + hashlib.sha256(str(start_path).encode()).hexdigest()[:16]
@@ -163,6 +164,7 @@ def learn_federated(grid: Grid, settings: RunSettings, run_model: RunModel) -> d
         "local_epochs": s.local_epochs,
         "finetune": s.finetune,
         "partitioner": s.partitioner,
+        **({"dirichlet_alpha": s.dirichlet_alpha} if s.partitioner == "dirichlet" else {}),
         "start": str(start_path),
         "shards": [{"records": len(sh.indices), "forget_records": len(sh.forget)} for sh in shards],
         "stages": {},

@@ -95,6 +95,7 @@ def run_requests(
         layout.kept,
         layout.kept_groups,
         partitioner=settings.learn.partitioner,
+        dirichlet_alpha=settings.learn.dirichlet_alpha,
         seed=settings.seed,
     )
     requests = scheduled_requests(settings, scenario, shards)

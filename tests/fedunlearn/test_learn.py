@@ -1,5 +1,8 @@
 """The federated learning stage's record layout: partitions and shards."""
 
+import random
+import sys
+
 import pytest
 
 from fedunlearn.learn import learn_shards, partition
@@ -18,6 +21,38 @@ def test_iid_parts_are_equal_disjoint_seeded_and_cover_the_pool():
     assert partition(POOL, GROUPS, 4, "iid", seed=4) != parts
 
 
+def test_flower_datasets_iid_parts_are_the_round_robin_deal_of_the_seeded_shuffle():
+    """IidPartitioner's contiguous parts of the dealt order are the parts earlier runs used."""
+    for seed, parts in ((0, 4), (7, 6), (3, 1)):
+        order = list(POOL)
+        random.Random(seed).shuffle(order)
+        dealt = [tuple(sorted(order[k::parts])) for k in range(parts)]
+        assert partition(POOL, GROUPS, parts, "iid", seed=seed) == dealt
+
+
+def _owners(parts) -> dict[str, list[int]]:
+    """Each author's records per part."""
+    out: dict[str, list[int]] = {}
+    for k, part in enumerate(parts):
+        for i in part:
+            out.setdefault(GROUPS[POOL.index(i)], [0] * len(parts))[k] += 1
+    return out
+
+
+def test_dirichlet_parts_spread_authors_as_their_concentration_says():
+    concentrated = partition(POOL, GROUPS, 4, "dirichlet", seed=1, alpha=0.05)
+    spread = partition(POOL, GROUPS, 4, "dirichlet", seed=1, alpha=1000.0)
+    for parts in (concentrated, spread):
+        assert sorted(i for p in parts for i in p) == POOL and all(parts)
+        assert all(list(p) == sorted(p) for p in parts)
+    mostly_one = [max(c) / sum(c) for c in _owners(concentrated).values()]
+    on_parts = [sum(1 for n in c if n) for c in _owners(spread).values()]
+    assert sum(mostly_one) / len(mostly_one) > 0.8, mostly_one
+    assert min(on_parts) >= 3, on_parts
+    assert partition(POOL, GROUPS, 4, "dirichlet", seed=1, alpha=0.05) == concentrated
+    assert partition(POOL, GROUPS, 4, "dirichlet", seed=2, alpha=0.05) != concentrated
+
+
 def test_author_parts_keep_every_author_on_one_client():
     parts = partition(POOL, GROUPS, 3, "authors", seed=0)
     assert sorted(i for p in parts for i in p) == POOL
@@ -30,8 +65,8 @@ def test_author_parts_keep_every_author_on_one_client():
 
 
 def test_bad_partitions_are_refused():
-    with pytest.raises(ValueError, match="unknown partitioner 'dirichlet'"):
-        partition(POOL, GROUPS, 2, "dirichlet", seed=0)
+    with pytest.raises(ValueError, match="unknown partitioner 'natural'"):
+        partition(POOL, GROUPS, 2, "natural", seed=0)
     with pytest.raises(ValueError, match=">= 1 part"):
         partition(POOL, GROUPS, 0, "iid", seed=0)
 
@@ -100,3 +135,10 @@ def test_fedprox_term_keeps_local_weights_near_the_round_start(
     assert constant > free  # no warm-up or decay: more movement at the same peak rate
     with pytest.raises(ValueError, match="unknown lr_schedule 'linear'"):
         _distance_after_training(tiny_model, examples, pad, lr_schedule="linear")
+
+
+def test_without_flower_datasets_a_partition_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "flwr_datasets.partitioner", None)  # not installed
+    with pytest.raises(ImportError, match="pip install --no-deps 'flwr-datasets==0.6.1'"):
+        partition(POOL, GROUPS, 2, "iid", seed=0)
+    assert len(partition(POOL, GROUPS, 2, "authors", seed=0)) == 2  # needs no Flower Datasets
