@@ -108,8 +108,9 @@ class ModelDelivery:
             self._round = ([], self.base_sha256)  # round 1's weights are θ_base
         elif self.base_sha256 is None and self.no_base_reason is None:
             self.no_base_reason = (
-                f"the run resumed at round {server_round}: the server holds the weights of "
-                "its last round, not those it started from"
+                f"the strategy starts at round {server_round} (a resumed run, or a request "
+                "schedule's next round): the server holds the weights of the round before, "
+                "not those it started from"
             )
 
     def end_rounds(self) -> None:
