@@ -119,6 +119,7 @@ def run_requests(
             evaluated[done] = _evaluate_round(
                 done, run_model, settings, reference, requests, positions
             )
+            evaluated[done]["clients"] = record.get("clients", [])  # the checkpoint's record
             write_file_atomic(rounds_path, json.dumps(json_safe(evaluated)).encode())
     t0 = time.perf_counter()
     for server_round in range(done + 1, settings.num_rounds + 1):
@@ -149,6 +150,7 @@ def run_requests(
             evaluated[server_round] = _evaluate_round(
                 server_round, run_model, settings, reference, requests, positions
             )
+            evaluated[server_round]["clients"] = record.get("clients", [])
             write_file_atomic(rounds_path, json.dumps(json_safe(evaluated)).encode())
     phases["federated_rounds"] = time.perf_counter() - t0
     if settings.evaluate:
@@ -159,9 +161,11 @@ def run_requests(
         "metrics": metrics,
         "requests": _requests_record(requests, evaluated, reference, positions, settings.seed),
         "rounds": [
-            {"round": r, **{k: v for k, v in e.items() if k != "metrics"}}
+            {"round": r, **{k: v for k, v in e.items() if k not in ("metrics", "clients")}}
             for r, e in sorted(evaluated.items())
         ],
+        # every round's node reports (a mixed-role node's second upload under "kept")
+        "clients_by_round": {str(r): e.get("clients", []) for r, e in sorted(evaluated.items())},
         "clients": record.get("clients", []),
         "merge": record.get("merge", {}),
         **({"mpu": record["mpu"]} if "mpu" in record else {}),  # wrapper='mpu': the last round's

@@ -246,7 +246,7 @@ def test_a_request_schedule_killed_after_round_two_resumes_to_the_same_results(
     run_config = (
         SMALL_RUN.replace("num-forget-clients=2", "num-forget-clients=3")
         + f" model.path='{tiny_checkpoint}' num-rounds=3 scenario.forget-percent=15.0 "
-        f"requests.schedule='{tmp_path / 'schedule.json'}'"
+        f"requests.schedule='{tmp_path / 'schedule.json'}' scenario.mixed-clients=1"
     )
     killed = tmp_path / "killed"
     process = runs.start(run_config, killed)
@@ -271,6 +271,12 @@ def test_a_request_schedule_killed_after_round_two_resumes_to_the_same_results(
         (3, 2, 10),
     ]
     assert [r["requests_served"] for r in reference["rounds"]] == [1, 2, 3]
+    # client 0 is mixed-role: in round 1 its node uploaded both parts, recorded under the node
+    for run in (reference, resumed):
+        mixed = [[c for c in run["clients_by_round"][r] if "kept" in c] for r in "123"]
+        assert [len(m) for m in mixed] == [1, 0, 0]
+        assert mixed[0][0]["role"] == "forget" and mixed[0][0]["kept"]["role"] == "retain"
+        assert mixed[0][0]["kept"]["num_examples"] == 20  # scenario.retain-samples
     for q in requests:  # every request scored after every round, with its interval
         assert sorted(q["metrics_by_round"]) == ["1", "2", "3"]
         assert "reference" not in q  # a model.path run has no reference to compare with

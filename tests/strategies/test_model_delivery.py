@@ -175,7 +175,7 @@ def test_a_resumed_run_sends_the_full_model_and_says_why(
     strategy.round_offset = 1
     messages = list(strategy.configure_train(1, wire_state(tiny_model), ConfigRecord(), grid))
     assert all(len(m.content["arrays"]) == len(tiny_model.state_dict()) for m in messages)
-    assert "node 5 gets the full model: the strategy starts at round 2 (a resumed run" in caplog.text
+    assert "node 5 gets the full model: the strategy starts at round 2 (a resumed" in caplog.text
     assert "node 6 gets the full model: it declares no base-checkpoint" in caplog.text
 
 
