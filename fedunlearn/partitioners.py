@@ -103,7 +103,14 @@ def _flower_datasets_parts(
             seed=seed,
         )
     partitioner.dataset = Dataset.from_dict({"index": order, "author": [author[i] for i in order]})
-    return [list(partitioner.load_partition(k)["index"]) for k in range(num_parts)]
+    try:
+        return [list(partitioner.load_partition(k)["index"]) for k in range(num_parts)]
+    except ValueError as err:  # DirichletPartitioner gives up after its redraws
+        raise ValueError(
+            f"learn.partitioner={how!r} (learn.dirichlet-alpha={alpha:g}) cannot split the "
+            f"{len(pool)} kept records into {num_parts} parts of at least "
+            f"{MIN_DIRICHLET_PART}: {err}"
+        ) from err
 
 
 def _flower_datasets_partitioners() -> dict[str, Any]:

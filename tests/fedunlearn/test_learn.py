@@ -65,6 +65,8 @@ def test_author_parts_keep_every_author_on_one_client():
 
 
 def test_bad_partitions_are_refused():
+    with pytest.raises(ValueError, match="cannot split the 2 kept records into 3 parts"):
+        partition([5, 6], ["a", "b"], 3, "dirichlet", seed=0)
     with pytest.raises(ValueError, match="unknown partitioner 'natural'"):
         partition(POOL, GROUPS, 2, "natural", seed=0)
     with pytest.raises(ValueError, match=">= 1 part"):

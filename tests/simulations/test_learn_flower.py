@@ -9,6 +9,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from simulations import run_local
+from tests.shared_paths import shared_data
 from tests.simulations.presets import SMALL_TOFU
 
 pytestmark = pytest.mark.slow
@@ -72,3 +73,33 @@ def test_lora_learning_changes_only_the_adapted_weights(tmp_path):
     changed = {k for k, v in learned.items() if not torch.equal(v, start[k])}
     assert changed, "FedAdam over the merged adapters moved no weight"
     assert all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed), sorted(changed)
+
+
+def test_the_published_tofu_files_are_learned_on_the_clients_that_hold_them(
+    tmp_path, tiny_checkpoint
+):
+    """learn.source='federated' on the real TOFU files (a tiny random model: the layout and the
+    Flower rounds, not what is learned): the forget authors' QA on the forget clients, the other
+    authors in play shared by all, the reference trained without the forget QA."""
+    path = run_local.run(
+        run_config=(
+            f"model.path='{tiny_checkpoint}' scenario.data-path='{shared_data('tofu')}' "
+            "scenario.num-forget-clients=2 scenario.tofu-subset-authors=4 "
+            "learn.source='federated' learn.rounds=1 learn.local-epochs=1 "
+            "learn.partitioner='dirichlet' evaluate=false"
+        ),
+        output_dir=tmp_path / "real",
+        flwr_home=tmp_path / "flwr_home",
+        cache_dir=tmp_path / "cache",
+    )
+    learn = json.loads(path.read_text())["substrate"]["learn"]
+    shards = learn["shards"]
+    # forget01: the last 2 authors' 40 QA over the 2 forget clients; 2 more authors' 40 QA kept
+    assert [s["forget_records"] for s in shards] == [20, 20, 0]
+    assert sum(s["records"] - s["forget_records"] for s in shards) == 40
+    assert learn["partitioner"] == "dirichlet" and learn["dirichlet_alpha"] == 0.5
+    stages = learn["stages"]
+    trained = [c["num_examples"] for c in stages["reference"]["clients_last_round"]]
+    assert trained == [s["records"] - s["forget_records"] for s in shards]
+    everything = [c["num_examples"] for c in stages["knowledgeable"]["clients_last_round"]]
+    assert everything == [s["records"] for s in shards]
