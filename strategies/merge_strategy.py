@@ -146,6 +146,10 @@ class MergeStrategy(Strategy):
     delivery : str (default: "auto")
         ``model.delivery``: ``auto`` sends a node holding the base only what differs from it,
         ``full`` the whole model every round.
+    base_digests : Mapping[str, str] | None (default: None)
+        The weight digests of the weights the run started from (θ_base,
+        ``wire.delivery.model_digests``), for a strategy whose first round is not the run's:
+        its nodes holding the base still get only what differs from it.
     model_dtype : torch.dtype | None (default: None)
         The dtype of the model the weights are loaded into: each round reports
         ``applied_relative_error`` = ‖(θ_new in that dtype − θ) − Δ‖ / ‖Δ‖, how much of the
@@ -175,6 +179,7 @@ class MergeStrategy(Strategy):
         spool: UploadSpool | None = None,
         base_offer: str | None = None,
         delivery: str = "auto",
+        base_digests: Mapping[str, str] | None = None,
         model_dtype: torch.dtype | None = None,
     ) -> None:
         if not assignments:
@@ -218,7 +223,9 @@ class MergeStrategy(Strategy):
         self.checkpoint = checkpoint
         self.round_offset = int(round_offset)
         # the full model, or what differs from a node's base
-        self.delivery = ModelDelivery(offer=base_offer, by_reference=delivery != "full")
+        self.delivery = ModelDelivery(
+            offer=base_offer, by_reference=delivery != "full", base_digests=base_digests
+        )
 
     def summary(self) -> None:
         roles = [a.role for a in self.assignments]

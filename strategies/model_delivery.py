@@ -19,11 +19,13 @@ form would not be smaller.
 
 Every other node gets the full model, and the run log says why, once per node and reason:
 ``model.delivery='full'``, no base declared, the base could not be read, another hash, or a
-resumed run (the server holds the weights of its last round, not θ_base). Every node's report
-records ``bytes_received`` (= ``bytes_received_model`` + ``bytes_received_config``: the
-serialised arrays, and every config key and value) and ``model_delivery`` of the last round,
-and ``bytes_received_model_by_round`` (the model bytes of every round this server process sent
-it, in order; the config is the same size every round).
+strategy that starts after round 1 without θ_base's digests (the pipelines hand them over: a
+resumed run and every round of a request schedule compare with the run's θ_base too). Every
+node's report records ``bytes_received`` (= ``bytes_received_model`` +
+``bytes_received_config``: the serialised arrays, and every config key and value) and
+``model_delivery`` of the last round, and ``bytes_received_model_by_round`` (the model bytes
+of every round this server process sent it, in order; the config is the same size every
+round).
 """
 
 from __future__ import annotations
@@ -75,14 +77,21 @@ class ModelDelivery:
     sends every node the full model whatever it declares.
     """
 
-    def __init__(self, *, offer: str | None = None, by_reference: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        offer: str | None = None,
+        by_reference: bool = True,
+        base_digests: Mapping[str, str] | None = None,
+    ) -> None:
         self.offer = offer if by_reference else None
         self.by_reference = by_reference
         self.declarations: dict[int, NodeDeclaration] = {}
-        # θ_base as its tensors' digests (set in round 1 when some node declares a base; the
-        # weights themselves are not kept: a round's changed tensors are found by rehashing)
-        self.base_digests: dict[str, str] = {}
-        self.base_sha256: str | None = None
+        # θ_base as its tensors' digests (set in round 1 when some node declares a base, or
+        # given: a strategy that starts later in the run; the weights themselves are not
+        # kept: a round's changed tensors are found by rehashing)
+        self.base_digests: dict[str, str] = dict(base_digests or {})
+        self.base_sha256: str | None = state_sha256(base_digests) if base_digests else None
         self.no_base_reason: str | None = None  # why the server has no θ_base to compare
         self._round: tuple[list[str], str] | None = None  # this round's changed keys, hash
         self._arrays: ArrayRecord | None = None
@@ -109,8 +118,8 @@ class ModelDelivery:
         elif self.base_sha256 is None and self.no_base_reason is None:
             self.no_base_reason = (
                 f"the strategy starts at round {server_round} (a resumed run, or a request "
-                "schedule's next round): the server holds the weights of the round before, "
-                "not those it started from"
+                "schedule's next round) without the digests of the weights the run started "
+                "from"
             )
 
     def end_rounds(self) -> None:

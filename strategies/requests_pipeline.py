@@ -41,6 +41,7 @@ from strategies.unlearn_pipeline import (
     build_strategy,
     evaluate_before,
     federate,
+    initial_digests,
     load_into,
     move_into_arrays,
     open_checkpoint,
@@ -100,6 +101,7 @@ def run_requests(
     )
     requests = scheduled_requests(settings, scenario, shards)
     model = run_model.model
+    base = initial_digests(settings, run_model)  # every round's nodes compare with θ_base
     checkpoint, done, resumed_state, record = open_checkpoint(settings, output_dir, model)
     rounds_path = output_dir / ROUNDS_FILE
     evaluated = _read_rounds(rounds_path, done)
@@ -136,7 +138,7 @@ def run_requests(
         )
         log(INFO, "round %d serves %d request(s)", server_round, len(serving))
         strategy = build_strategy(
-            settings, run_model, checkpoint, server_round - 1, output_dir, assignments
+            settings, run_model, checkpoint, server_round - 1, output_dir, assignments, base
         )
         initial, shapes = move_into_arrays(model)
         try:

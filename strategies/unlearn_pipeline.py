@@ -40,6 +40,7 @@ from strategies.settings import RunSettings
 from strategies.streaming_grid import StreamingGrid
 from strategies.upload_spool import SPOOL_DIR, UploadSpool
 from wire.arrays import array_tensor, weight_array, weights_record
+from wire.delivery import model_digests
 from wire.messages import describe_model
 
 
@@ -63,7 +64,8 @@ def run_unlearning(
     run_model.reference = None  # its metrics are all the run needs of it: free its weights
     phases["evaluation_before"] = time.perf_counter() - t0
 
-    strategy = build_strategy(settings, run_model, checkpoint, done, output_dir)
+    base = initial_digests(settings, run_model) if done else None  # round 1's are θ_base
+    strategy = build_strategy(settings, run_model, checkpoint, done, output_dir, base_digests=base)
     t0 = time.perf_counter()
     final: MutableMapping[str, Any]  # the final weights, taken out as they are loaded
     shapes: dict[str, torch.Size] | None = None  # the emptied parameters' shapes
@@ -228,10 +230,12 @@ def build_strategy(
     done: int,
     output_dir: Path,
     assignments: Sequence[ClientAssignment] | None = None,
+    base_digests: Mapping[str, str] | None = None,
 ) -> MergeStrategy:
     """The merge strategy of ``merge`` (MPU around it with ``wrapper=mpu``),
-    configured for this run's clients (``assignments``; None: the scenario's), checkpoint and
-    resume point."""
+    configured for this run's clients (``assignments``; None: the scenario's), checkpoint,
+    resume point and (a strategy starting after round 1) the digests of the run's initial
+    weights (:func:`initial_digests`)."""
     model, tokenizer, scenario = run_model.model, run_model.tokenizer, run_model.scenario
     if assignments is None:
         assignments = fold_mixed(scenario.assignments(), settings.scenario.mixed_clients)
@@ -259,6 +263,7 @@ def build_strategy(
         "spool": UploadSpool(output_dir / SPOOL_DIR) if settings.upload.stream else None,
         "base_offer": str(run_model.checkpoint) if run_model.checkpoint else None,
         "delivery": settings.model.delivery,
+        "base_digests": base_digests,
         "model_dtype": model.dtype,
     }
     if settings.wrapper == "mpu":
@@ -305,6 +310,15 @@ def baseline_evaluation(
     cache_dir = Path(settings.model.cache_dir).expanduser() if settings.model.cache_dir else None
     key = evaluation_key(model, settings, reference_metrics, settings.mmlu_folder())
     return cached_evaluation(cache_dir or default_cache_dir(), key, name, evaluate)
+
+
+def initial_digests(settings: RunSettings, run_model: RunModel) -> dict[str, str] | None:
+    """The digests of the weights the run starts from (its model, before any round or resumed
+    weights are loaded into it) where nodes may hold them as their base (a checkpoint folder
+    to offer, ``model.delivery`` not ``full``); None otherwise."""
+    if run_model.checkpoint is None or settings.model.delivery == "full":
+        return None
+    return model_digests(run_model.model)
 
 
 def open_checkpoint(

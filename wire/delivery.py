@@ -62,6 +62,12 @@ def weight_digest(tensor: torch.Tensor) -> str:
     return tensor_digest(tensor.detach().to("cpu", torch.float32).numpy())
 
 
+def model_digests(model: torch.nn.Module) -> dict[str, str]:
+    """:func:`weight_digest` of every key of ``model``'s state: what :func:`record_digests`
+    gives for the arrays the rounds start from, taken from the model itself."""
+    return {key: weight_digest(value) for key, value in model.state_dict().items()}
+
+
 def state_sha256(digests: Mapping[str, str]) -> str:
     """sha256 of a whole state from its :func:`tensor_digest` per key (sorted key order)."""
     lines = "".join(f"{key}\t{digests[key]}\n" for key in sorted(digests))

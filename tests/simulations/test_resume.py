@@ -277,6 +277,12 @@ def test_a_request_schedule_killed_after_round_two_resumes_to_the_same_results(
         assert [len(m) for m in mixed] == [1, 0, 0]
         assert mixed[0][0]["role"] == "forget" and mixed[0][0]["kept"]["role"] == "retain"
         assert mixed[0][0]["kept"]["num_examples"] == 20  # scenario.retain-samples
+    # every round's nodes hold the run's initial weights: sent only what changed since them
+    for run in (reference, resumed):
+        for r in "123":
+            assert {c["model_delivery"] for c in run["clients_by_round"][r]} == {"delta-from-base"}
+    first, third = (reference["clients_by_round"][r][0] for r in "13")
+    assert first["bytes_received_model"] == 0 < third["bytes_received_model"]
     for q in requests:  # every request scored after every round, with its interval
         assert sorted(q["metrics_by_round"]) == ["1", "2", "3"]
         assert "reference" not in q  # a model.path run has no reference to compare with

@@ -21,6 +21,7 @@ from wire.delivery import (
     DELTA,
     MODEL_FILE_KEY,
     MODEL_SHA_KEY,
+    model_digests,
     record_digests,
     state_sha256,
 )
@@ -177,6 +178,31 @@ def test_a_resumed_run_sends_the_full_model_and_says_why(
     assert all(len(m.content["arrays"]) == len(tiny_model.state_dict()) for m in messages)
     assert "node 5 gets the full model: the strategy starts at round 2 (a resumed" in caplog.text
     assert "node 6 gets the full model: it declares no base-checkpoint" in caplog.text
+
+
+def test_a_later_strategy_given_the_runs_initial_digests_sends_only_what_changed(
+    server_identity, checkpoints, tiny_model, tiny_tokenizer
+):
+    """A resumed run or a schedule's next round: the new strategy compares with θ_base too."""
+    base, _ = checkpoints
+    grid = ClientAppGrid({5: {"base-checkpoint": str(base)}, 6: {}})
+    strategy = MergeStrategy(
+        merge="sum",
+        assignments=ASSIGNMENTS,
+        client_config=describe_model(tiny_model, tiny_tokenizer),
+        round_offset=1,
+        base_digests=model_digests(tiny_model),
+    )
+    round_two = _round_two(wire_state(tiny_model))
+    sent = {
+        m.metadata.dst_node_id: m.content
+        for m in strategy.configure_train(1, round_two, ConfigRecord(), grid)
+    }
+    assert sorted(sent[5]["arrays"]) == sorted(CHANGED)
+    assert len(sent[6]["arrays"]) == len(round_two)  # declares no base: the full model
+    rebuilt = received_model(sent[5]["config"], sent[5]["arrays"], grid.contexts[5])
+    expected = round_two.to_torch_state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in rebuilt.state_dict().items())
 
 
 def test_without_any_base_one_line_says_so(server_identity, tiny_model, tiny_tokenizer, caplog):
