@@ -63,7 +63,9 @@ class LearnOptions:
     proximal_mu: float = option(
         0.01, "fedprox: μ of the proximal term μ/2·‖w − w_round‖² on the clients", NON_NEGATIVE
     )
-    server_lr: float = option(1e-2, "fedadam / fedyogi: the server optimiser's step η", POSITIVE)
+    server_lr: float = option(
+        3e-2, "fedadam / fedyogi: the server optimiser's step η (fedadam: measured best)", POSITIVE
+    )
     partitioner: str = option(
         "iid",
         "how the kept knowledge is split over all clients (Flower Datasets' partitioners): iid "
