@@ -85,7 +85,8 @@ def test_the_published_tofu_files_are_learned_on_the_clients_that_hold_them(
         run_config=(
             f"model.path='{tiny_checkpoint}' scenario.data-path='{shared_data('tofu')}' "
             "scenario.num-forget-clients=2 scenario.tofu-subset-authors=4 "
-            "learn.source='federated' learn.rounds=1 learn.local-epochs=1 "
+            "scenario.retain-samples=20 learn.source='federated' learn.rounds=1 "
+            "learn.local-epochs=1 "
             "learn.partitioner='dirichlet' evaluate=false"
         ),
         output_dir=tmp_path / "real",
