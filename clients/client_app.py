@@ -94,6 +94,8 @@ def train(msg: Message, context: Context) -> Message:
 
     With ``mpu.copies`` = m the message holds m published copies (``arrays-0`` ...); the
     client runs the same local update on each and replies ``task_vector-k`` / ``fisher-k``.
+    A mixed-role forget client (``kept-indices``) adds the retain upload of the records it
+    keeps (:func:`kept_reply`, under ``kept-``).
     """
     return_freed_memory()  # the process holds what it uses, not the most it ever held
     owner = f"node {context.node_id}"
