@@ -64,7 +64,8 @@ from fedunlearn.qa_format import encode_record
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.training.lora import LocalTrainSettings
 from fedunlearn.upload_codec import DecodedTensors
-from strategies.mpu_strategy import MPU_PUBLISH, MpuStrategy
+from strategies.mpu_options import MPU_PUBLISH
+from strategies.mpu_strategy import MpuStrategy
 from strategies.reply_validation import validate_reply_content
 from strategies.settings import RunSettings
 from wire.messages import describe_model, rebuild_model, wire_state

@@ -26,16 +26,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import ExitStack
-from dataclasses import dataclass, field
 from logging import WARNING
-from pathlib import Path
 from typing import Any, cast
 
-import numpy as np
 import torch
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, RecordDict
 from flwr.common.logger import log
 
 from fedunlearn.merging import ClientUpdate
@@ -53,21 +50,27 @@ from fedunlearn.mpu import (
     published_tensors,
     sigma_per_tensor,
 )
-from fedunlearn.options import (
-    NON_NEGATIVE,
-    POSITIVE,
-    POSITIVE_INT,
-    Number,
-    OneOf,
-    option,
-    option_group,
-)
 from strategies.copy_files import CopyFiles
 from strategies.merge_strategy import MergeStrategy
+from strategies.mpu_copies import (
+    CopyFile,
+    CopySpool,
+    PublishedCopy,
+    RecordTensors,
+    copy_reply,
+    exact_tensors,
+    payload_nbytes,
+)
+from strategies.mpu_options import (
+    ALIGNMENT_WARNING,
+    MPU_MODES,
+    MPU_PUBLISH,
+    SHARED_KAPPA_AUTO,
+    resolve_shared_kappa,
+)
 from strategies.reply_validation import ReplyRejected, validate_reply_content
 from strategies.results import json_safe
-from strategies.upload_spool import UploadSpool
-from wire.arrays import array_tensor, weight_array
+from wire.arrays import weight_array
 from wire.delivery import (
     BASE_OFFER_KEY,
     BASE_SHA_KEY,
@@ -79,93 +82,7 @@ from wire.delivery import (
     weight_digest,
 )
 
-MPU_MODES = ("mpu", "clean", "noised")
-#: ``mpu.shared-kappa`` = -1: κ_η = SHARED_KAPPA_FACTOR·κ in ``mpu`` mode. A client aligning its
-#: copies ends with θ + η, one copy is θ + η + α_1·ε⁰_1 in secret coordinates: one copy is
-#: √(1 + (α_1·κ/κ_η)²) times as far from θ, 1.20 at κ_η = 1.5·κ (measured by logits at
-#: κ = 0.01: 1.03–1.41 for m = 2–4, against 1.5–1.8 at κ_η = κ; docs/mpu.md, "Threat model").
-SHARED_KAPPA_AUTO = -1.0
-SHARED_KAPPA_FACTOR = 1.5
-
-
-def resolve_shared_kappa(shared_kappa: float, mode: str, kappa: float) -> float:
-    """κ_η for ``shared_kappa`` as given: -1 stands for SHARED_KAPPA_FACTOR·``kappa`` in ``mpu``
-    mode and for 0 in the one-copy baselines (nothing to share); any other value is returned as
-    it is."""
-    if shared_kappa != SHARED_KAPPA_AUTO:
-        return shared_kappa
-    return SHARED_KAPPA_FACTOR * kappa if mode == "mpu" else 0.0
-
-
-#: ``mpu.publish``: fresh copies for every client, or one set of copies for the whole round.
-MPU_PUBLISH = ("per-client", "per-round")
-MPU_SIGMA_SOURCES = ("weights", "task-vector")
-
-
-@option_group("mpu")
-@dataclass(frozen=True)
-class MpuOptions:
-    """MPU around the merge (``wrapper = "mpu"``; ``[tool.flwr.app.config.mpu]``)."""
-
-    mode: str = option(
-        "mpu",
-        "mpu (m reparameterised copies), clean or noised (one copy)",
-        OneOf(lambda: MPU_MODES),
-    )
-    copies: int = option(2, "copies m per client and round (mpu mode: >= 2)", POSITIVE_INT)
-    publish: str = option(
-        "per-client",
-        "per-client: noise and reparameterisation drawn afresh for every client; per-round: "
-        "one set of m copies per round, sent to every client",
-        OneOf(lambda: MPU_PUBLISH),
-    )
-    kappa: float = option(0.01, "noise scale κ (σ = κ·RMS of the layer)", NON_NEGATIVE)
-    permute_groups: bool = option(True, "also permute the KV groups")
-    shared_kappa: float = option(
-        SHARED_KAPPA_AUTO,
-        "κ_η of a noise common to a client's m copies, which aligning the copies cannot "
-        f"average away; -1 = {SHARED_KAPPA_FACTOR:g} × mpu.kappa in mpu mode (the default), "
-        "0 = none: the method as published, with a warning",
-        Number(
-            low=0,
-            special=(
-                (SHARED_KAPPA_AUTO, f"{SHARED_KAPPA_FACTOR:g} × mpu.kappa in mpu mode, else 0"),
-            ),
-        ),
-    )
-
-    def shared_noise_kappa(self) -> float:
-        """κ_η the strategy runs with: ``shared-kappa``, or for -1 1.5·``kappa`` in ``mpu``
-        mode and 0 in the one-copy baselines."""
-        return resolve_shared_kappa(self.shared_kappa, self.mode, self.kappa)
-
-    secret: str = option("", "refused: a secret in the run config leaks (use secret-file)")
-    secret_file: str = option(
-        "",
-        'absolute path of a 0600 file holding the server secret; "" = $FEDUNLEARN_MPU_SECRET '
-        "or a fresh secret",
-    )
-    server_lr: float = option(1.0, "server learning rate η_srv", POSITIVE)
-    sigma_source: str = option(
-        "weights",
-        "σ from the RMS of the weights, or (task-vector) of θ − θ_pretrained",
-        OneOf(lambda: MPU_SIGMA_SOURCES),
-    )
-    pretrained_path: str = option(
-        "", 'θ_pretrained for sigma-source = task-vector; "" = the built-in model\'s pre-training'
-    )
-
-
 TransformSet = dict[int, LayerTransform]  # T_k: one transform per decoder layer
-#: in results.json and the log whenever ``mpu.mode=mpu`` runs without shared noise
-ALIGNMENT_WARNING = (
-    "mpu.shared-kappa=0: a client that aligns its m copies (they are noisy versions of the "
-    "same weights) can cancel the zero-sum noise and compute nearly the server's exact model: "
-    "the threat-model study (python -m simulations.mpu_attack) measured its estimate 41-2204x "
-    "closer to the server's logits than one copy on the built-in model (kappa 0.05 to 0.001, "
-    'm = 2 to 4) and 335x on SmolLM2-135M at kappa=0.01 (docs/mpu.md, "Threat model"); the '
-    "default, shared-kappa = 1.5 x kappa, adds noise the alignment cannot remove"
-)
 
 
 class MpuStrategy(MergeStrategy):
@@ -353,7 +270,7 @@ class MpuStrategy(MergeStrategy):
             )
         if self.mode == "noised":
             return noised_tensors(state, sigmas, gen)
-        return _exact_tensors(state)
+        return exact_tensors(state)
 
     def _build(
         self, server_round: int, position: int, arrays: ArrayRecord, hashed: bool
@@ -406,7 +323,7 @@ class MpuStrategy(MergeStrategy):
         node_id = list(self.node_assignment)[position]
         delta = self.delivery.why_full(node_id) is None
         if self.mode == "clean" and not delta:  # the exact weights, as they are
-            self.bytes_to_clients[position] = _nbytes(arrays.values())
+            self.bytes_to_clients[position] = payload_nbytes(arrays.values())
             return RecordDict({"config": ConfigRecord(config), "arrays-0": arrays})
         declaration = self.delivery.declarations.get(node_id)
         by_file = (
@@ -441,7 +358,7 @@ class MpuStrategy(MergeStrategy):
                     **({BASE_OFFER_KEY: self.delivery.offer} if self.delivery.offer else {}),
                 }
             )
-        self.bytes_to_clients[position] = sum(_nbytes(r.values()) for r in records.values())
+        self.bytes_to_clients[position] = sum(payload_nbytes(r.values()) for r in records.values())
         return RecordDict({"config": ConfigRecord(config), **records})
 
     def _copy_files(self, server_round: int, position: int, arrays: ArrayRecord) -> list[CopyFile]:
@@ -528,7 +445,7 @@ class MpuStrategy(MergeStrategy):
         fishers: list[UploadParts] = []
         fields: dict[str, Any] = {}
         for k in range(self.copies):
-            copy_content = _copy_reply(content, k, node_id)
+            copy_content = copy_reply(content, k, node_id)
             # every copy is checked in its own coordinates before T⁻¹ touches it
             fields = validate_reply_content(f"{node_id} copy {k}", copy_content, spec)
             if k and ("fisher" in copy_content) != bool(fishers):
@@ -585,100 +502,3 @@ class MpuStrategy(MergeStrategy):
         parts = {part: torch.from_numpy(record[part].numpy()) for part in names}
         get_part = self.spool.store_record(node_id, name, parts)
         return UploadParts(names, get_part, shapes)
-
-
-class RecordTensors(Mapping[str, torch.Tensor]):
-    """The tensors of an ArrayRecord decoded one at a time when asked for (none kept)."""
-
-    def __init__(self, arrays: ArrayRecord) -> None:
-        self._arrays = arrays
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        return array_tensor(self._arrays[key]).float()  # MPU works in float32
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._arrays)
-
-    def __len__(self) -> int:
-        return len(self._arrays)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._arrays
-
-
-@dataclass(frozen=True)
-class CopyFile:
-    """One published copy written to a file: the weights that differ from θ_base, the hash
-    of the whole copy a node rebuilds from them, and the file's tensor bytes."""
-
-    path: Path
-    sha256: str
-    nbytes: int
-
-
-@dataclass
-class PublishedCopy:
-    """One published copy as the Flower arrays it travels in (θ's order) and, where hashed,
-    every tensor's :func:`~wire.delivery.weight_digest`."""
-
-    arrays: dict[str, Array] = field(default_factory=dict)
-    digests: dict[str, str] = field(default_factory=dict)
-
-    def changed(self, base_digests: Mapping[str, str]) -> list[str]:
-        """The tensors that differ from θ_base bit for bit: what a node holding θ_base needs."""
-        if set(self.digests) != set(base_digests):
-            raise ValueError("the copy's keys are not those of the base checkpoint")
-        return [name for name in self.arrays if self.digests[name] != base_digests[name]]
-
-    def sha256(self, base_digests: Mapping[str, str]) -> str:
-        """:func:`~wire.delivery.state_sha256` of the whole copy (what the node rebuilds)."""
-        return state_sha256({**base_digests, **self.digests})
-
-    def record(self, keys: list[str]) -> ArrayRecord:
-        """An ArrayRecord of ``keys`` holding the copy's own arrays (no bytes copied)."""
-        record = ArrayRecord()
-        for key in keys:
-            record[key] = self.arrays[key]
-        return record
-
-
-class CopySpool(UploadSpool):
-    """MPU's upload spool: :meth:`MpuStrategy.decode_reply` writes each copy's validated
-    upload as it reads it (:meth:`UploadSpool.store_record`) and returns an update that maps
-    them back from memory maps, which :meth:`store` hands on as it is."""
-
-    def store(
-        self, update: ClientUpdate, shapes: Mapping[str, tuple[int, ...]] | None
-    ) -> ClientUpdate:
-        if isinstance(update.task_vector, HarmonicUpload):
-            return update
-        return super().store(update, shapes)
-
-
-def _exact_tensors(
-    state: Mapping[str, torch.Tensor],
-) -> Iterator[tuple[str, torch.Tensor, list[torch.Tensor]]]:
-    """The ``clean`` baseline's one copy, θ itself, as ``_tensors`` yields copies."""
-    for name in state:
-        weight = state[name]
-        yield name, weight, [weight]
-
-
-def _copy_reply(content: RecordDict, k: int, node_id: int) -> RecordDict:
-    """Copy k's part of a multi-copy reply as an ordinary single reply."""
-    key = f"task_vector-{k}"
-    if key not in content:
-        raise ValueError(f"client {node_id}: reply has no {key!r} record (copy {k} missing)")
-    for name in ("metrics", "info"):
-        if name not in content:
-            raise ValueError(f"client {node_id}: reply has no {name!r} record")
-    out = RecordDict({"task_vector": content[key], "metrics": content["metrics"]})
-    out["info"] = content["info"]
-    if f"fisher-{k}" in content:
-        out["fisher"] = content[f"fisher-{k}"]
-    return out
-
-
-def _nbytes(arrays: Iterable[Array]) -> int:
-    """Payload bytes of Flower arrays (their values, without the serialisation's header)."""
-    return sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in arrays)

@@ -47,7 +47,7 @@ from fedunlearn.training.lora import parse_layers
 from fedunlearn.training.options import LoraOptions, TrainingOptions
 from fedunlearn.upload_codec import UploadOptions
 from strategies.merge_plugins import check_merge_call, resolve_merge
-from strategies.mpu_strategy import MpuOptions
+from strategies.mpu_options import MpuOptions
 from strategies.renamed_keys import RENAMED_KEYS, RunConfigError
 from strategies.secret_files import check_secret_keys
 from strategies.server_options import ServerOptions

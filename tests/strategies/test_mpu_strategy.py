@@ -23,7 +23,9 @@ from fedunlearn.mpu import (
 from fedunlearn.scenarios import ClientAssignment
 from fedunlearn.upload_codec import LowRankDelta, encode_fisher, encode_task_vector
 from strategies.copy_files import CopyFiles
-from strategies.mpu_strategy import MPU_PUBLISH, CopySpool, MpuStrategy
+from strategies.mpu_copies import CopySpool
+from strategies.mpu_options import MPU_PUBLISH
+from strategies.mpu_strategy import MpuStrategy
 from strategies.node_roles import NodeDeclaration
 from strategies.reply_validation import ReplyRejected
 from strategies.settings import RunConfigError, RunSettings

@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from fedunlearn.mpu import UnsupportedArchitectureError
 from fedunlearn.scenarios import ClientAssignment
-from strategies.mpu_strategy import ALIGNMENT_WARNING, MpuStrategy
+from strategies.mpu_options import ALIGNMENT_WARNING
+from strategies.mpu_strategy import MpuStrategy
 from strategies.results import json_safe
 from tests.fedunlearn.mpu.test_mpu_architectures import BASE  # the same tiny configs
 
