@@ -2,9 +2,11 @@
 
 How each point is obtained: ONE real Flower simulation runs the clients (5 forget + 1 retain
 by default) and saves their uploads; every (merge, γ) point is then a re-merge of those
-same uploads followed by the server's evaluation. This is honest for single-round merges:
-clients train from the same θ₀ whatever the server does with their uploads, so a separate
-Flower run per point would produce the same uploads (seeded) and differ only in cost.
+same uploads followed by the server's evaluation (the point that is the run's own merge keeps
+the run's evaluation of it, which evaluating again would repeat exactly). This is honest for
+single-round merges: clients train from the same θ₀ whatever the server does with their
+uploads, so a separate Flower run per point would produce the same uploads (seeded) and
+differ only in cost.
 
     python -m simulations.sweep --strategies firm,fulm,ties,sum,avg --run-config "..."
         [--seeds 0,1,2]
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from fedunlearn.evaluation.intervals import QUESTIONS_KEY, SCORE_SETS_KEY, SCORES_KEY
 from fedunlearn.merging import ClientUpdate, apply_delta
 from fedunlearn.uploads import load_uploads
 from simulations import run_local
@@ -179,6 +182,33 @@ def flower_run_point(results_path: Path, config: dict[str, Any], names: tuple) -
     }
 
 
+def own_merge_evaluation(
+    flower: FlowerUploads, strategy: str, gamma: float, norm_final: float | None
+) -> dict[str, Any] | None:
+    """The Flower run's own evaluation of its unlearned model, with its per-question scores, as
+    the evaluation of the re-merge (``strategy``, ``gamma``) when that re-merge IS the run's
+    merge: a one-round run without a wrapper or request schedule, with this merge and γ, whose
+    merged update had the re-merge's norm bit for bit (the same uploads merged with the same
+    arguments). Else None: the point is evaluated."""
+    results, config = flower.results, flower.results["config"]
+    scores_path = flower.results_path.parent / "scores.json"
+    same_merge = (config.get("merge"), config.get("gamma")) == (strategy, gamma)
+    single_round = config.get("num-rounds") == 1 and not config.get("requests.schedule")
+    unwrapped = config.get("wrapper", "none") == "none"
+    same_norm = norm_final is not None and results["merge"].get("norm_final") == norm_final
+    if not (same_merge and single_round and unwrapped and same_norm and scores_path.is_file()):
+        return None
+    scores = json.loads(scores_path.read_text())
+    after = results["metrics"].get("after")
+    if after is None or "after" not in scores:
+        return None
+    return {k: v for k, v in after.items() if k != "samples"} | {
+        SCORES_KEY: scores["after"],
+        SCORE_SETS_KEY: scores.get("question_sets", {}),
+        QUESTIONS_KEY: scores.get("question_digests", {}),
+    }
+
+
 #: what a sweep point records beside its full evaluation
 POINT_KEYS = ("strategy", "gamma", "merge_kwargs", "merge_seconds", "norm_final", "metrics", "how")
 
@@ -226,18 +256,24 @@ def sweep(
         started = time.perf_counter()
         result = fn(updates, **kwargs)
         merge_seconds = time.perf_counter() - started
-        metrics = flower.evaluate(f"{strategy} γ={gamma}", result.delta)
+        how = "re-merge of the uploads saved by one Flower simulation"
+        # the Flower run's own merge was evaluated by the run: its evaluation is read back
+        evaluation = own_merge_evaluation(flower, strategy, gamma, result.report.get("norm_final"))
+        if evaluation is None:
+            metrics = flower.evaluate(f"{strategy} γ={gamma}", result.delta)
+            # with every per-question score, for simulations.compare (paired intervals)
+            evaluation = {k: v for k, v in metrics.items() if k != "samples"}
+        else:
+            how += ", equal to the run's own merge: the run's evaluation"
         point = {
             "strategy": strategy,
             "gamma": gamma,
             "merge_kwargs": kwargs,
             "merge_seconds": merge_seconds,
             "norm_final": result.report.get("norm_final"),
-            "metrics": {k: metrics.get(k) for k in metric_names},
-            "how": "re-merge of the uploads saved by one Flower simulation",
+            "metrics": {k: evaluation.get(k) for k in metric_names},
+            "how": how,
         }
-        # with every per-question score, for simulations.compare (paired intervals)
-        evaluation = {k: v for k, v in metrics.items() if k != "samples"}
         point_path.write_text(
             json.dumps(
                 json_safe({**point, "report": result.report, "evaluation": evaluation}), indent=2

@@ -1,11 +1,14 @@
 """The study drivers end to end at a tiny scale: one real Flower run each, then re-merges."""
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
+from fedunlearn.evaluation.intervals import SCORES_KEY
 from simulations import compare, magnitude, multi_retain, sweep, sweep_seeds
+from strategies.merge_plugins import merge_kwargs, resolve_merge
 
 pytestmark = pytest.mark.slow
 
@@ -23,29 +26,42 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
     out = tmp_path / "sweep"
     summary = sweep.sweep(
         ["firm", "sum"],
-        {"firm": [1.0, 4.0], "sum": [0.5]},
+        {"firm": [1.0, 4.0, 8.0], "sum": [0.5]},
         f"model.path='{checkpoint}' scenario.num-authors=20 scenario.retain-samples=20 {TINY}",
         out,
     )
     assert sorted(p.name for p in (out / "points").iterdir()) == [
         "firm-g1.json",
         "firm-g4.json",
+        "firm-g8.json",
         "sum-g0.5.json",
     ]
     norms = {(p["strategy"], p["gamma"]): p["norm_final"] for p in summary["points"]}
     assert norms[("firm", 4.0)] == pytest.approx(4 * norms[("firm", 1.0)], rel=1e-4)
-    assert len(summary["matched_forgetting"]) == 2  # every FIRM point vs its nearest SUM point
+    assert len(summary["matched_forgetting"]) == 3  # every FIRM point vs its nearest SUM point
     assert "Matched forgetting" in (out / "summary.md").read_text()
     assert (out / "frontier.png").stat().st_size > 10_000
     # the points keep their per-question scores: a paired comparison of the sweep's points
     compared = compare.compare([out], resamples=200)
-    assert compared["points"] == ["firm γ=1", "firm γ=4", "sum γ=0.5"]
+    assert compared["points"] == ["firm γ=1", "firm γ=4", "firm γ=8", "sum γ=0.5"]
     rows = compared["paired"]["firm γ=4"]
     by_gamma = {p["gamma"]: p["metrics"] for p in summary["points"] if p["strategy"] == "firm"}
     for name in ("forget_rouge_l", "model_utility", "retain_exact_match"):
         assert rows[name]["difference"] == pytest.approx(by_gamma[1.0][name] - by_gamma[4.0][name])
         low, high = rows[name]["interval"]
         assert low <= high
+    # γ = 8 (tofu's default) is the Flower run's own merge: its point is the run's own
+    # evaluation, read back, and evaluating the re-merge again gives exactly that
+    own = json.loads((out / "points" / "firm-g8.json").read_text())
+    assert own["how"].endswith("equal to the run's own merge: the run's evaluation")
+    assert "own" not in json.loads((out / "points" / "firm-g4.json").read_text())["how"]
+    flower = sweep.run_and_load_uploads("", out / "flower-run", reuse=True)
+    params = dataclasses.replace(flower.settings, merge="firm", gamma=8.0)
+    firm = resolve_merge("firm")
+    delta = firm(flower.updates, **merge_kwargs(firm, params.merge_parameters())).delta
+    fresh = flower.evaluate("firm γ=8", delta)
+    assert {k: fresh[k] for k in own["metrics"]} == own["metrics"]
+    assert fresh[SCORES_KEY] == own["evaluation"][SCORES_KEY]
     # re-using the finished Flower run: a point evaluated before with the same merge arguments
     # is read back (a value changed on disk stays changed), one whose file is gone or whose
     # arguments differ is merged and evaluated again, with the same numbers as the first time
@@ -57,11 +73,11 @@ def test_sweep_writes_points_table_and_frontier(tmp_path, checkpoint):
         (points / name).write_text(json.dumps(saved))
     (points / "firm-g1.json").unlink()
     again = sweep.sweep(
-        ["firm", "sum"], {"firm": [1.0, 4.0], "sum": [0.5]}, "", out, reuse_run=True
+        ["firm", "sum"], {"firm": [1.0, 4.0, 8.0], "sum": [0.5]}, "", out, reuse_run=True
     )
     assert again["points"][0]["metrics"] == summary["points"][0]["metrics"]
     assert again["points"][1]["metrics"]["forget_rouge_l"] == -1.0
-    assert again["points"][2]["metrics"] == summary["points"][2]["metrics"]
+    assert again["points"][3]["metrics"] == summary["points"][3]["metrics"]
 
 
 def test_sweep_over_client_training_seeds(tmp_path, checkpoint):
