@@ -195,7 +195,7 @@ def own_merge_evaluation(
     same_merge = (config.get("merge"), config.get("gamma")) == (strategy, gamma)
     single_round = config.get("num-rounds") == 1 and not config.get("requests.schedule")
     unwrapped = config.get("wrapper", "none") == "none"
-    same_norm = norm_final is not None and results["merge"].get("norm_final") == norm_final
+    same_norm = norm_final is not None and results.get("merge", {}).get("norm_final") == norm_final
     if not (same_merge and single_round and unwrapped and same_norm and scores_path.is_file()):
         return None
     scores = json.loads(scores_path.read_text())
