@@ -72,6 +72,13 @@ class TopkSlices(FlatSlices):
     def _count(self, start: int, stop: int) -> int:
         return int(np.count_nonzero(self._bits(start, stop)))
 
+    def pick(self, chunk: slice, picks: slice) -> torch.Tensor:
+        """The chunk's entries ``picks`` from the mask bits and the values alone (a sample of a
+        few entries per chunk costs a count of the set bits before them, not a decode)."""
+        first = self.firsts[chunk.start // CHUNK]
+        picked = native.unmask_at(self._packed, self._values, first, chunk.start, picks)
+        return super().pick(chunk, picks) if picked is None else picked
+
     def decode(self, start: int, stop: int) -> torch.Tensor:
         chunk_start = start - start % CHUNK
         first = self.firsts[chunk_start // CHUNK] + (

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
 import numpy as np
 import torch
@@ -251,17 +250,13 @@ def _pooled_sparsifier(
     every slice of ``F`` is pooled (``compiled``: by the fused counting kernel), maxed and
     counted for the threshold, and dropped: the merge kernel pools it again slice by slice
     (reading the raw Fishers once more costs less memory traffic than writing and re-reading a
-    float32 ``F``).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`; with it,
+    float32 ``F``; compact uploads' Fishers, :class:`FlatSlices`, are decoded slice by slice
+    for each pass).  Without ``compiled``, a lone Fisher goes to :func:`_sparsifier`; with it,
     through the same counting pass (the C function of
     :mod:`~fedunlearn.merging.native` reads a lone 16-bit Fisher in less time than its
     histogram takes).
     """
-    if any(isinstance(f, FlatSlices) for f in fishers):
-        # compact uploads: F decoded once, slice by slice, into one float32 tensor that the
-        # selection and the merge kernel then read (decoding every client's Fisher again for
-        # each of them costs more than writing F once)
-        return _pooled_sparsifier([_pooled(fishers, device)], device, alpha, eps0, compiled)
-    flats = [cast(torch.Tensor, f).reshape(-1) for f in fishers]
+    flats = [f.reshape(-1) for f in fishers]
     d = flats[0].numel()
     k = support_size(d, alpha) if d else 0
     compiled = compiled and all(fusable(f.dtype) for f in flats)

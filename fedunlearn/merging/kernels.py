@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from ._chunks import CHUNK, map_spans, spans
 from .base import TensorMeta, described
-from .lazy import FlatSlices
+from .lazy import Flat, FlatSlices
 from .native import pooled_bracket_counts
 
 #: Environment variable choosing the kernels: ``auto``, ``compiled`` or ``eager``.
@@ -257,7 +257,7 @@ def _in_bracket(offsets: np.ndarray, width: int, span: slice) -> np.ndarray:
 
 
 def bracket_counts(
-    parts: Sequence[torch.Tensor],
+    parts: Sequence[Flat],
     magnitude: bool,
     bounds: tuple[int, int],
     *,

@@ -85,10 +85,16 @@ class FlatSlices(ABC):
             first += (start - first) % step
             if first >= min(chunk.stop, stop):
                 return torch.empty(0, dtype=self.dtype)
-            decoded = self.decode(chunk.start, chunk.stop)
-            return decoded[first - chunk.start : stop - chunk.start : step].clone()
+            end = min(chunk.stop, stop)
+            return self.pick(chunk, slice(first - chunk.start, end - chunk.start, step))
 
         return torch.cat(map_spans(picked, self._numel, self.device, chunk=CHUNK))
+
+    def pick(self, chunk: slice, picks: slice) -> torch.Tensor:
+        """The entries ``picks`` (counted from the chunk's start) of one :data:`CHUNK`-aligned
+        chunk, in new memory; by default the chunk decoded and the entries copied out (a
+        subclass may find them without decoding the rest)."""
+        return self.decode(chunk.start, chunk.stop)[picks].clone()
 
 
 #: a merge input: a tensor, or slices decoded on demand

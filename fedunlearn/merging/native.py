@@ -17,7 +17,8 @@ keep:
 
 A third pair decodes a top-k Fisher upload (:mod:`fedunlearn.upload_codec`) in one pass:
 :func:`unmask` counts the set bits of its packed mask per slice, then spreads the kept values
-over them (16 entries per AVX-512 expand where the CPU has it), zeros elsewhere.
+over them (16 entries per AVX-512 expand, or 8 per AVX2 table permutation, where the CPU has
+them), zeros elsewhere.
 
 The functions are built once per machine with the C compiler (``$CC`` or ``cc``, ``-O3
 -march=native``) into ``$FEDUNLEARN_CACHE_DIR/kernels`` (default ``~/.cache/fedunlearn/kernels``),
@@ -52,6 +53,7 @@ import torch
 
 from ..files import default_cache_dir, temp_path
 from ._chunks import map_spans
+from .lazy import Flat, FlatSlices
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ _FLAGS = ("-O3", "-march=native", "-std=c11", "-fPIC", "-shared", "-ffp-contract
 C_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -220,6 +222,42 @@ int64_t fedunlearn_mask_count(const uint8_t *packed, int64_t start, int64_t stop
     return n;
 }
 
+/* The entries start, start + step, ... (below stop) of a top-k Fisher whose entry 0 is bit 0 of
+   packed[0] and takes values[0] when set: the value where the bit is set, 0 elsewhere (the set
+   bits before each picked entry counted a word at a time).  Returns the entries written. */
+int64_t fedunlearn_unmask_at(const uint8_t *packed, const float *values, int64_t start,
+                             int64_t stop, int64_t step, float *out) {
+    int64_t c = 0, byte = 0, n = 0; /* c: the set bits of the bytes before byte */
+    for (int64_t p = start; p < stop; p += step) {
+        const int64_t at = p / 8;
+        for (; byte + 8 <= at; byte += 8) {
+            uint64_t word;
+            memcpy(&word, packed + byte, sizeof word);
+            c += __builtin_popcountll(word);
+        }
+        for (; byte < at; byte++) c += __builtin_popcount(packed[byte]);
+        const unsigned bits = packed[at], bit = (unsigned)(p % 8);
+        const int before = __builtin_popcount(bits & ((1u << bit) - 1u));
+        out[n++] = (bits >> bit) & 1u ? values[c + before] : 0.0f;
+    }
+    return n;
+}
+
+#if !defined(__AVX512F__) && defined(__AVX2__)
+/* EXPAND_LANES[b][i]: the value lane i of mask byte b takes (set bits below i); FIRST_LANES[n]:
+   the first n lanes on (a load mask) */
+static int32_t EXPAND_LANES[256][8], FIRST_LANES[9][8];
+__attribute__((constructor)) static void fedunlearn_lane_tables(void) {
+    for (int b = 0; b < 256; b++)
+        for (int i = 0, c = 0; i < 8; i++) {
+            EXPAND_LANES[b][i] = c;
+            c += (b >> i) & 1;
+        }
+    for (int n = 0; n <= 8; n++)
+        for (int i = 0; i < 8; i++) FIRST_LANES[n][i] = i < n ? -1 : 0;
+}
+#endif
+
 /* out[j] for the entries j in [start, stop) (start a multiple of 8): the next of values
    (values[0] first) where the mask's bit j is set, 0 elsewhere.  Returns the values taken. */
 int64_t fedunlearn_unmask(const uint8_t *packed, const float *values, int64_t start,
@@ -234,6 +272,22 @@ int64_t fedunlearn_unmask(const uint8_t *packed, const float *values, int64_t st
         const int taken = __builtin_popcount(bits);
         const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << taken) - 1u), values + c);
         _mm512_storeu_ps(out + j, _mm512_maskz_expand_ps((__mmask16)bits, v));
+        c += taken;
+    }
+#elif defined(__AVX2__)
+    /* 8 entries (one mask byte) at a time: the next popcount values loaded (masked: never
+       past the last), moved to their lanes by a permutation from a table indexed by the byte
+       (lane i takes value number popcount(byte & (2^i - 1))) and the unset lanes zeroed */
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (; j + 8 <= stop; j += 8) {
+        const int byte = packed[j / 8];
+        const int taken = __builtin_popcount((unsigned)byte);
+        const __m256i first = _mm256_loadu_si256((const __m256i *)FIRST_LANES[taken]);
+        const __m256 v = _mm256_maskload_ps(values + c, first);
+        const __m256i where = _mm256_loadu_si256((const __m256i *)EXPAND_LANES[byte]);
+        const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(byte), lane_bit);
+        const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane_bit));
+        _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_permutevar8x32_ps(v, where), set));
         c += taken;
     }
 #endif
@@ -260,6 +314,7 @@ _SIGNATURES = {
     ],
     "fedunlearn_mask_count": [_PTR, _I64, _I64],
     "fedunlearn_unmask": [_PTR, _PTR, _I64, _I64, _PTR],
+    "fedunlearn_unmask_at": [_PTR, _PTR, _I64, _I64, _I64, _PTR],
 }
 
 
@@ -366,7 +421,7 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def supported(parts: Sequence[torch.Tensor], magnitude: bool) -> bool:
+def supported(parts: Sequence[Flat], magnitude: bool) -> bool:
     """Whether :func:`pooled_bracket_counts` takes these flat parts (before building anything)."""
     if not parts or (magnitude and (len(parts) != 1 or parts[0].dtype != torch.float32)):
         return False
@@ -374,30 +429,38 @@ def supported(parts: Sequence[torch.Tensor], magnitude: bool) -> bool:
 
 
 def pooled_bracket_counts(
-    parts: Sequence[torch.Tensor], magnitude: bool, bounds: tuple[int, int]
+    parts: Sequence[Flat], magnitude: bool, bounds: tuple[int, int]
 ) -> tuple[torch.Tensor, int, np.ndarray] | None:
     """``(max v, #{key > hi}, the keys in [lo, hi])`` as ``bracket_counts`` returns them.
 
-    ``None`` where the C function is not available, the parts are not supported (see
-    :func:`supported`), or the bracket holds more than a sixteenth of some slice (a sample that
-    misrepresents the tensor: the caller's general path handles it).
+    Parts decoded on demand (:class:`~fedunlearn.merging.lazy.FlatSlices`) are decoded slice by
+    slice, each slice counted while it is in the cache.  ``None`` where the C function is not
+    available, the parts are not supported (see :func:`supported`), or the bracket holds more
+    than a sixteenth of some slice (a sample that misrepresents the tensor: the caller's general
+    path handles it).
     """
     if not supported(parts, magnitude):
         return None
     lib = library()
     if lib is None:
         return None
-    flats = [p.contiguous() for p in parts]
-    pointers = (ctypes.c_void_p * len(flats))(*[p.data_ptr() for p in flats])
+    flats = [p if isinstance(p, FlatSlices) else p.contiguous() for p in parts]
     kinds = (ctypes.c_int32 * len(flats))(*[_KINDS[p.dtype] for p in flats])
     lo, hi = bounds
 
     def count(span: slice) -> tuple[int, int, np.ndarray] | None:
-        cap = (span.stop - span.start) // 16 + 64
+        # a decoded part from entry 0 of its slice, a tensor from the span's start
+        start, stop = span.start, span.stop
+        if any(isinstance(p, FlatSlices) for p in flats):
+            start, stop = 0, stop - start
+        pointers = (ctypes.c_void_p * len(flats))(
+            *[(p[span] if isinstance(p, FlatSlices) else p).data_ptr() for p in flats]
+        )
+        cap = (stop - start) // 16 + 64
         out = np.empty(cap, dtype=np.int32)
         above, top = ctypes.c_int64(0), ctypes.c_int32(0)
         n = lib.fedunlearn_bracket(
-            pointers, kinds, len(flats), int(magnitude), span.start, span.stop, lo, hi,
+            pointers, kinds, len(flats), int(magnitude), start, stop, lo, hi,
             out.ctypes.data, cap, ctypes.byref(above), ctypes.byref(top),
         )  # fmt: skip
         return None if n < 0 else (above.value, top.value, out[:n])
@@ -412,11 +475,15 @@ def pooled_bracket_counts(
     return top, sum(c[0] for c in done), keys
 
 
-def _flat_supported(tensors: Sequence[torch.Tensor]) -> bool:
-    """Whether every tensor is a flat bfloat16 / float32 CPU tensor of the first's length."""
+def _flat_supported(tensors: Sequence[Flat]) -> bool:
+    """Whether every tensor is a flat bfloat16 / float32 CPU tensor (or decoded slices) of the
+    first's length."""
     d = tensors[0].numel()
     return all(
-        t.dtype in _KINDS and t.device.type == "cpu" and t.dim() == 1 and t.numel() == d
+        t.dtype in _KINDS
+        and t.device.type == "cpu"
+        and (isinstance(t, FlatSlices) or t.dim() == 1)
+        and t.numel() == d
         for t in tensors
     )
 
@@ -559,3 +626,30 @@ def unmask_span(
     return int(
         lib.fedunlearn_unmask(bits, values.data_ptr() + 4 * first, 0, out.numel(), out.data_ptr())
     )
+
+
+def unmask_at(
+    packed: torch.Tensor, values: torch.Tensor, first: int, start: int, picks: slice
+) -> torch.Tensor | None:
+    """The entries ``picks`` (a forward slice, counted from entry ``start``, a multiple of 8) of
+    ``values[first:]`` spread over the set bits of ``packed`` from entry ``start`` on, as a new
+    float32 tensor: what ``unmask_span`` would write there, without the entries between.
+    ``None`` where the C functions are not available or an input is not a contiguous CPU
+    tensor of its dtype."""
+    if not (
+        start % 8 == 0
+        and packed.dtype == torch.uint8
+        and values.dtype == torch.float32
+        and all(t.device.type == "cpu" and t.is_contiguous() for t in (packed, values))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    count = len(range(picks.start, picks.stop, picks.step))
+    out = torch.empty(count, dtype=torch.float32)
+    bits = packed.data_ptr() + start // 8
+    lib.fedunlearn_unmask_at(
+        bits, values.data_ptr() + 4 * first, picks.start, picks.stop, picks.step, out.data_ptr()
+    )
+    return out

@@ -16,6 +16,8 @@ import torch
 
 from fedunlearn.merging import kernels, native, project_retention
 from fedunlearn.merging.kernels import bracket_counts, mean_of
+from fedunlearn.upload_codec import pack_mask
+from fedunlearn.upload_slices import TopkSlices
 
 pytestmark = pytest.mark.skipif(
     native.library() is None, reason="no C compiler for the counting pass"
@@ -85,6 +87,47 @@ def test_a_bracket_over_most_entries_falls_back_to_the_inductor_pass() -> None:
     assert above == int((ref > bounds[1]).sum())
     assert keys.size == int(((ref >= bounds[0]) & (ref <= bounds[1])).sum())
     assert float(top) == float(mean_of(parts).max())
+
+
+def test_pooled_counts_of_decoded_slices_equal_those_of_the_decoded_tensors(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Compact forget uploads: their top-k Fishers decoded slice by slice inside the count."""
+    monkeypatch.setattr(native, "SLICE", 1 << 18)  # several slices over the threads
+    d = 700_001
+    fishers = _fishers(2, d, torch.float32, 4)
+    parts = [TopkSlices(pack_mask(f > 2e-6), f[f > 2e-6], d) for f in fishers]
+    dense = [torch.where(f > 2e-6, f, 0.0) for f in fishers]
+    bounds = _bounds(mean_of(dense), False, 0.93, 0.95)
+    counted = native.pooled_bracket_counts(parts, False, bounds)
+    assert counted is not None
+    top, above, keys = counted
+    ref_top, ref_above, ref_keys = bracket_counts(dense, False, bounds, native=False)
+    assert torch.equal(top, ref_top) and above == ref_above and keys.size > 0.01 * d
+    np.testing.assert_array_equal(np.sort(keys), np.sort(ref_keys))
+
+
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.1, 0.5, 1.0])
+def test_unmasking_equals_boolean_indexing(density: float) -> None:
+    """The C spreads (the vector loops where the CPU has AVX-512 or AVX2, a scalar tail) against
+    torch's boolean indexing, with a length that leaves a tail of odd bits."""
+    d = 300_013
+    gen = torch.Generator().manual_seed(int(density * 1000))
+    mask = torch.rand(d, generator=gen) < density
+    values = torch.rand(int(mask.sum()), generator=gen) + 0.5
+    want = torch.zeros(d)
+    want[mask] = values
+    packed = pack_mask(mask)
+    out = torch.full((d,), float("nan"))
+    assert native.unmask(packed, values, out) == values.numel()
+    assert torch.equal(out, want)
+    start = 8 * 4099  # a span from inside the mask, starting at the values its bits use
+    first = int(mask[:start].sum())
+    span = torch.full((d - start - 5,), float("nan"))
+    assert native.unmask_span(packed, values, first, start, span) == int(mask[start:-5].sum())
+    assert torch.equal(span, want[start:-5])
+    picked = native.unmask_at(packed, values, first, start, slice(3, d - start, 1001))
+    assert picked is not None and torch.equal(picked, want[start + 3 :: 1001])
 
 
 def test_unsupported_inputs_are_left_to_the_caller() -> None:
