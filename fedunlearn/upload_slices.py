@@ -18,7 +18,7 @@ import torch
 
 from fedunlearn.merging import native
 from fedunlearn.merging._chunks import CHUNK
-from fedunlearn.merging.lazy import FlatSlices
+from fedunlearn.merging.lazy import FlatSlices, KeptEntries
 
 #: fewest rows of B multiplied at once (fewer where the weight has fewer)
 MIN_ROWS = 8
@@ -71,6 +71,10 @@ class TopkSlices(FlatSlices):
 
     def _count(self, start: int, stop: int) -> int:
         return int(np.count_nonzero(self._bits(start, stop)))
+
+    def kept(self) -> KeptEntries:
+        """Its packed mask, values and the values used before each chunk."""
+        return KeptEntries(self._packed, self._values, self.firsts)
 
     def pick(self, chunk: slice, picks: slice) -> torch.Tensor:
         """The chunk's entries ``picks`` from the mask bits and the values alone (a sample of a

@@ -43,6 +43,7 @@ from .kernels import (
     use_compiled_for,
 )
 from .lazy import Flat, FlatSlices, flat_source
+from .native import pool_kept
 from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
     SMALL,
@@ -213,27 +214,29 @@ def _group(
 
 
 def _kept_sparsifier(
-    flat: Flat, kept: torch.Tensor, alpha: float, eps0: float
+    sources: list[Flat], kept: torch.Tensor, alpha: float, eps0: float
 ) -> _SparsifiedFisher:
-    """:func:`_sparsifier` of a lone flat Fisher whose non-zero entries are all among ``kept``
-    (a top-k upload's values, every other entry 0), from ``kept`` alone.
+    """:func:`_sparsifier` of the float32 mean ``F`` of flat Fishers whose non-zero entries
+    are all among ``kept`` (a top-k upload's values, or a pooled domain's values at the union
+    of its members' masks; every other entry 0), from ``kept`` alone.
 
     The same scale and threshold: the entries are ``kept`` and zeros, all ``>= 0``, so the
     maximum is ``kept``'s (0 if none) and the k-th largest is ``kept``'s k-th largest when
     ``kept`` has k entries, else 0; the same float32 arithmetic follows.
     """
-    d, n = flat.numel(), kept.numel()
-    zero = torch.zeros((), dtype=torch.float32, device=flat.device)
+    sources = [f.reshape(-1) for f in sources]
+    d, n = sources[0].numel(), kept.numel()
+    zero = torch.zeros((), dtype=torch.float32, device=sources[0].device)
     top = kept.max().to(torch.float32) if n else zero
     scale = top + eps0
     k = support_size(d, alpha) if d else 0
     if k >= d:
-        return _SparsifiedFisher.of([flat], scale, -math.inf)
+        return _SparsifiedFisher.of(sources, scale, -math.inf)
     if k > n:
         kth = zero
     else:  # k = n (no ties at the client's threshold, the usual case): the smallest kept value
         kth = (kept.min() if k == n else kth_largest(kept, k, nonnegative=True)).to(torch.float32)
-    return _SparsifiedFisher.of([flat], scale, below(kth / scale))
+    return _SparsifiedFisher.of(sources, scale, below(kth / scale))
 
 
 def _pooled_sparsifier(
@@ -348,15 +351,18 @@ def _tensor_inputs(
     kept: Sequence[torch.Tensor | None] = (),
 ) -> _TensorInputs:
     """Pool every forget domain's Fisher and find every threshold (one pass per Fisher; none
-    for a lone Fisher whose ``kept`` values are known, see :func:`_kept_sparsifier`)."""
+    for a lone Fisher whose ``kept`` values are known, nor for a domain of top-k uploads,
+    pooled at the union of their masks: see :func:`_kept_sparsifier`)."""
     alpha, eps0 = params
     device = tvs[0].device
     flat_tv = [t.reshape(-1) for t in tvs]
 
     def sparsifier(sources: list[Flat], lone: int | None) -> _SparsifiedFisher:
         values = kept[lone] if lone is not None and lone < len(kept) else None
+        if values is None and lone is None:
+            values = _pooled_kept(sources)
         if values is not None and sources[0].device == device:
-            return _kept_sparsifier(sources[0].reshape(-1), values.to(device), alpha, eps0)
+            return _kept_sparsifier(sources, values.to(device), alpha, eps0)
         return _pooled_sparsifier(sources, device, alpha, eps0, compiled)
 
     forget = [
@@ -368,6 +374,16 @@ def _tensor_inputs(
     ]
     retained = [(sparsifier([fishers[i].to(device)], i), flat_tv[i]) for i in retain]
     return _TensorInputs(forget, retained, flat_tv[0].numel(), device)
+
+
+def _pooled_kept(sources: Sequence[Flat]) -> torch.Tensor | None:
+    """The pooled Fisher's values at the union of the members' top-k masks, where every member
+    is a top-k upload decoded on demand (:func:`~fedunlearn.merging.native.pool_kept`); else
+    None."""
+    entries = [f.kept() if isinstance(f, FlatSlices) else None for f in sources]
+    if any(e is None for e in entries):
+        return None
+    return pool_kept([e for e in entries if e is not None], sources[0].numel())
 
 
 def _kept_values(fisher: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:

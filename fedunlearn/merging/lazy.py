@@ -23,10 +23,22 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from ._chunks import CHUNK, map_spans
+
+
+@dataclass(frozen=True)
+class KeptEntries:
+    """A flat tensor that is 0 except where a packed mask sets a bit (entry j: bit j % 8 of byte
+    j // 8): ``values`` (float32) in entry order there, ``firsts[c]`` of them used by the
+    entries before chunk ``c`` (of :data:`CHUNK` entries)."""
+
+    packed: torch.Tensor
+    values: torch.Tensor
+    firsts: list[int]
 
 
 class FlatSlices(ABC):
@@ -89,6 +101,11 @@ class FlatSlices(ABC):
             return self.pick(chunk, slice(first - chunk.start, end - chunk.start, step))
 
         return torch.cat(map_spans(picked, self._numel, self.device, chunk=CHUNK))
+
+    def kept(self) -> KeptEntries | None:
+        """The mask and values of a tensor that is 0 outside a mask (a top-k Fisher); None
+        for one decoded otherwise."""
+        return None
 
     def pick(self, chunk: slice, picks: slice) -> torch.Tensor:
         """The entries ``picks`` (counted from the chunk's start) of one :data:`CHUNK`-aligned

@@ -52,8 +52,8 @@ import numpy as np
 import torch
 
 from ..files import default_cache_dir, temp_path
-from ._chunks import map_spans
-from .lazy import Flat, FlatSlices
+from ._chunks import CHUNK, map_spans
+from .lazy import Flat, FlatSlices, KeptEntries
 
 log = logging.getLogger(__name__)
 
@@ -243,20 +243,100 @@ int64_t fedunlearn_unmask_at(const uint8_t *packed, const float *values, int64_t
     return n;
 }
 
-#if !defined(__AVX512F__) && defined(__AVX2__)
+#ifdef __AVX2__
 /* EXPAND_LANES[b][i]: the value lane i of mask byte b takes (set bits below i); FIRST_LANES[n]:
-   the first n lanes on (a load mask) */
-static int32_t EXPAND_LANES[256][8], FIRST_LANES[9][8];
+   the first n lanes on (a load mask); COMPRESS_LANES[b][j]: the lane of the j-th set bit of b */
+static int32_t EXPAND_LANES[256][8], FIRST_LANES[9][8], COMPRESS_LANES[256][8];
 __attribute__((constructor)) static void fedunlearn_lane_tables(void) {
     for (int b = 0; b < 256; b++)
         for (int i = 0, c = 0; i < 8; i++) {
             EXPAND_LANES[b][i] = c;
-            c += (b >> i) & 1;
+            COMPRESS_LANES[b][i] = 0;
+            if ((b >> i) & 1) COMPRESS_LANES[b][c++] = i;
         }
     for (int n = 0; n <= 8; n++)
         for (int i = 0; i < 8; i++) FIRST_LANES[n][i] = i < n ? -1 : 0;
 }
+
+/* The 8 entries of mask byte `byte` spread from values (the next popcount of them, loaded
+   masked: never past the last), zeros where the bit is unset. */
+static inline __m256 expand8(unsigned byte, const float *values) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const int taken = __builtin_popcount(byte);
+    const __m256i first = _mm256_loadu_si256((const __m256i *)FIRST_LANES[taken]);
+    const __m256 v = _mm256_maskload_ps(values, first);
+    const __m256i where = _mm256_loadu_si256((const __m256i *)EXPAND_LANES[byte]);
+    const __m256i bit = _mm256_and_si256(_mm256_set1_epi32((int)byte), lane_bit);
+    const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane_bit));
+    return _mm256_and_ps(_mm256_permutevar8x32_ps(v, where), set);
+}
 #endif
+
+/* The bits of mask byte `byte` that stand for entries below stop. */
+static inline unsigned within(int64_t byte, int64_t stop) {
+    const int64_t left = stop - byte * 8;
+    return left >= 8 ? 0xFFu : (1u << left) - 1u;
+}
+
+/* The union of n packed masks among the entries [start, stop) (start a multiple of 8): the
+   entries whose bit is set in some mask. */
+int64_t fedunlearn_union_count(const uint8_t *const *packed, int32_t n, int64_t start,
+                               int64_t stop) {
+    int64_t count = 0;
+    for (int64_t byte = start / 8; byte * 8 < stop; byte++) {
+        unsigned u = 0;
+        for (int32_t i = 0; i < n; i++) u |= packed[i][byte];
+        count += __builtin_popcount(u & within(byte, stop));
+    }
+    return count;
+}
+
+/* Over the entries [start, stop) (start a multiple of 8) of n top-k Fishers (packed masks
+   from entry 0, values[i] the i-th Fisher's values from entry start on): at every entry of
+   the union of the masks (cap of them, counted by fedunlearn_union_count), in entry order,
+   the float32 mean ((v_1 + v_2) + ... + v_n) / n (v_1 alone for n = 1) with v_i the i-th
+   Fisher's next value where its bit is set, else 0 -- the same operations as the merges'
+   mean of the decoded Fishers.  Returns the entries written. */
+int64_t fedunlearn_pool_kept(const uint8_t *const *packed, const float *const *values,
+                             int32_t n, int64_t start, int64_t stop, int64_t cap, float *out) {
+    int64_t m = 0, taken[64] = {0}, byte = start / 8;
+    const float count = (float)n;
+#ifdef __AVX2__
+    /* whole bytes: each Fisher's 8 entries spread into lanes and pooled there, the union's
+       lanes moved to the front and stored 8 wide (while 8 more fit within cap: the spans'
+       outputs are written side by side) */
+    const __m256 divisor = _mm256_set1_ps(count);
+    for (; byte * 8 + 8 <= stop && m + 8 <= cap; byte++) {
+        unsigned u = packed[0][byte];
+        __m256 acc = expand8(u, values[0] + taken[0]);
+        taken[0] += __builtin_popcount(u);
+        for (int32_t i = 1; i < n; i++) {
+            const unsigned b = packed[i][byte];
+            acc = _mm256_add_ps(acc, expand8(b, values[i] + taken[i]));
+            taken[i] += __builtin_popcount(b);
+            u |= b;
+        }
+        if (n > 1) acc = _mm256_div_ps(acc, divisor);
+        const __m256i front = _mm256_loadu_si256((const __m256i *)COMPRESS_LANES[u]);
+        _mm256_storeu_ps(out + m, _mm256_permutevar8x32_ps(acc, front));
+        m += __builtin_popcount(u);
+    }
+#endif
+    for (; byte * 8 < stop; byte++) {
+        unsigned u = 0;
+        for (int32_t i = 0; i < n; i++) u |= packed[i][byte];
+        for (u &= within(byte, stop); u; u &= u - 1) {
+            const unsigned bit = 1u << __builtin_ctz(u);
+            float acc = 0.0f;
+            for (int32_t i = 0; i < n; i++) {
+                const float v = packed[i][byte] & bit ? values[i][taken[i]++] : 0.0f;
+                acc = i == 0 ? v : acc + v;
+            }
+            out[m++] = n > 1 ? acc / count : acc;
+        }
+    }
+    return m;
+}
 
 /* out[j] for the entries j in [start, stop) (start a multiple of 8): the next of values
    (values[0] first) where the mask's bit j is set, 0 elsewhere.  Returns the values taken. */
@@ -275,20 +355,12 @@ int64_t fedunlearn_unmask(const uint8_t *packed, const float *values, int64_t st
         c += taken;
     }
 #elif defined(__AVX2__)
-    /* 8 entries (one mask byte) at a time: the next popcount values loaded (masked: never
-       past the last), moved to their lanes by a permutation from a table indexed by the byte
-       (lane i takes value number popcount(byte & (2^i - 1))) and the unset lanes zeroed */
-    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    /* 8 entries (one mask byte) at a time, moved to their lanes by a permutation from a table
+       indexed by the byte (lane i takes value number popcount(byte & (2^i - 1))) */
     for (; j + 8 <= stop; j += 8) {
-        const int byte = packed[j / 8];
-        const int taken = __builtin_popcount((unsigned)byte);
-        const __m256i first = _mm256_loadu_si256((const __m256i *)FIRST_LANES[taken]);
-        const __m256 v = _mm256_maskload_ps(values + c, first);
-        const __m256i where = _mm256_loadu_si256((const __m256i *)EXPAND_LANES[byte]);
-        const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(byte), lane_bit);
-        const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane_bit));
-        _mm256_storeu_ps(out + j, _mm256_and_ps(_mm256_permutevar8x32_ps(v, where), set));
-        c += taken;
+        const unsigned byte = packed[j / 8];
+        _mm256_storeu_ps(out + j, expand8(byte, values + c));
+        c += __builtin_popcount(byte);
     }
 #endif
     for (; j < stop; j++) {
@@ -315,6 +387,10 @@ _SIGNATURES = {
     "fedunlearn_mask_count": [_PTR, _I64, _I64],
     "fedunlearn_unmask": [_PTR, _PTR, _I64, _I64, _PTR],
     "fedunlearn_unmask_at": [_PTR, _PTR, _I64, _I64, _I64, _PTR],
+    "fedunlearn_union_count": [ctypes.POINTER(_PTR), _I32, _I64, _I64],
+    "fedunlearn_pool_kept": [
+        *(ctypes.POINTER(_PTR), ctypes.POINTER(_PTR), _I32, _I64, _I64, _I64, _PTR)
+    ],
 }
 
 
@@ -652,4 +728,53 @@ def unmask_at(
     lib.fedunlearn_unmask_at(
         bits, values.data_ptr() + 4 * first, picks.start, picks.stop, picks.step, out.data_ptr()
     )
+    return out
+
+
+#: Most Fishers :func:`pool_kept` pools at once (the C loop's per-Fisher counters).
+MAX_POOLED = 64
+
+
+def pool_kept(fishers: Sequence[KeptEntries], numel: int) -> torch.Tensor | None:
+    """The values of the float32 mean of top-k Fishers at the union of their masks, in entry
+    order: every entry outside the union is 0 in every Fisher, so the mean's non-zero entries
+    are all among these (what a threshold of the pooled Fisher needs, without decoding it).
+
+    ``fishers`` are the top-k Fishers' masks and values (:class:`KeptEntries`, of ``numel``
+    entries each); the mean is taken with the merges' float32 operations, so the values are
+    bit for bit those of the decoded Fishers' mean there.  ``None`` where the C functions are
+    not available, more than :data:`MAX_POOLED` Fishers are pooled or an input is not a
+    contiguous CPU tensor of its dtype.
+    """
+    if not (
+        0 < len(fishers) <= MAX_POOLED
+        and all(
+            f.packed.dtype == torch.uint8
+            and f.values.dtype == torch.float32
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in (f.packed, f.values))
+            for f in fishers
+        )
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n = len(fishers)
+    packed = (ctypes.c_void_p * n)(*[f.packed.data_ptr() for f in fishers])
+
+    def count(span: slice) -> int:
+        return int(lib.fedunlearn_union_count(packed, n, span.start, span.stop))
+
+    counts = map_spans(count, numel, torch.device("cpu"), chunk=SLICE)
+    starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).tolist()
+    out = torch.empty(int(starts[-1]), dtype=torch.float32)
+
+    def pool(span: slice) -> None:
+        at = [f.values.data_ptr() + 4 * f.firsts[span.start // CHUNK] for f in fishers]
+        values = (ctypes.c_void_p * n)(*at)
+        index = span.start // SLICE
+        target = out.data_ptr() + 4 * starts[index]
+        lib.fedunlearn_pool_kept(packed, values, n, span.start, span.stop, counts[index], target)
+
+    map_spans(pool, numel, torch.device("cpu"), chunk=SLICE)
     return out

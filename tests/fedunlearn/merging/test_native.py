@@ -130,6 +130,27 @@ def test_unmasking_equals_boolean_indexing(density: float) -> None:
     assert picked is not None and torch.equal(picked, want[start + 3 :: 1001])
 
 
+@pytest.mark.parametrize("members", [1, 2, 3])
+@pytest.mark.parametrize("density", [0.003, 0.1, 0.9])
+def test_pooled_kept_values_are_the_decoded_mean_at_the_union_of_the_masks(
+    monkeypatch: pytest.MonkeyPatch, members: int, density: float
+) -> None:
+    """A pooled domain of top-k uploads: the mean of the decoded Fishers (the merges' float32
+    operations) at every entry some member kept, in entry order, from the masks and values
+    alone; bits a mask sets past the tensor's end are not entries."""
+    monkeypatch.setattr(native, "SLICE", 1 << 18)  # several spans written side by side
+    d = 1_000_003
+    gen = torch.Generator().manual_seed(members)
+    fishers = [torch.rand(d, generator=gen) + 0.1 for _ in range(members)]
+    masks = [torch.rand(d, generator=gen) < density for _ in range(members)]
+    slices = [TopkSlices(pack_mask(m), f[m], d) for f, m in zip(fishers, masks, strict=True)]
+    slices[0].kept().packed[-1] |= 0xF8  # past entry d - 1 (d % 8 = 3)
+    pooled = native.pool_kept([s.kept() for s in slices], d)
+    union = torch.stack(masks).any(dim=0)
+    decoded = [torch.where(m, f, 0.0) for f, m in zip(fishers, masks, strict=True)]
+    assert pooled is not None and torch.equal(pooled, mean_of(decoded)[union])
+
+
 def test_unsupported_inputs_are_left_to_the_caller() -> None:
     half = [torch.rand(1000, dtype=torch.float16)]
     assert not native.supported(half, False)
