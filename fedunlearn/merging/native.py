@@ -278,16 +278,20 @@ static inline unsigned within(int64_t byte, int64_t stop) {
     return left >= 8 ? 0xFFu : (1u << left) - 1u;
 }
 
+/* Byte `byte` of the union of n packed masks. */
+static inline unsigned union_byte(const uint8_t *const *packed, int32_t n, int64_t byte) {
+    unsigned u = 0;
+    for (int32_t i = 0; i < n; i++) u |= packed[i][byte];
+    return u;
+}
+
 /* The union of n packed masks among the entries [start, stop) (start a multiple of 8): the
    entries whose bit is set in some mask. */
 int64_t fedunlearn_union_count(const uint8_t *const *packed, int32_t n, int64_t start,
                                int64_t stop) {
     int64_t count = 0;
-    for (int64_t byte = start / 8; byte * 8 < stop; byte++) {
-        unsigned u = 0;
-        for (int32_t i = 0; i < n; i++) u |= packed[i][byte];
-        count += __builtin_popcount(u & within(byte, stop));
-    }
+    for (int64_t byte = start / 8; byte * 8 < stop; byte++)
+        count += __builtin_popcount(union_byte(packed, n, byte) & within(byte, stop));
     return count;
 }
 
@@ -323,9 +327,7 @@ int64_t fedunlearn_pool_kept(const uint8_t *const *packed, const float *const *v
     }
 #endif
     for (; byte * 8 < stop; byte++) {
-        unsigned u = 0;
-        for (int32_t i = 0; i < n; i++) u |= packed[i][byte];
-        for (u &= within(byte, stop); u; u &= u - 1) {
+        for (unsigned u = union_byte(packed, n, byte) & within(byte, stop); u; u &= u - 1) {
             const unsigned bit = 1u << __builtin_ctz(u);
             float acc = 0.0f;
             for (int32_t i = 0; i < n; i++) {
