@@ -43,7 +43,8 @@ from .kernels import (
     use_compiled_for,
 )
 from .lazy import Flat, FlatSlices, flat_source
-from .native import pool_kept
+from .native import pooled_bracket_counts
+from .pooled_topk import pooled_topk
 from .projection import DEFAULT_SOLVER, SOLVERS, _project_checked, check_solver
 from .selection import (
     SMALL,
@@ -234,9 +235,25 @@ def _kept_sparsifier(
         return _SparsifiedFisher.of(sources, scale, -math.inf)
     if k > n:
         kth = zero
-    else:  # k = n (no ties at the client's threshold, the usual case): the smallest kept value
-        kth = (kept.min() if k == n else kth_largest(kept, k, nonnegative=True)).to(torch.float32)
+    elif k == n:  # no ties at the client's threshold (the usual case): the smallest kept value
+        kth = kept.min().to(torch.float32)
+    else:
+        kth = _kth_of_kept(kept, k)
     return _SparsifiedFisher.of(sources, scale, below(kth / scale))
+
+
+def _kth_of_kept(kept: torch.Tensor, k: int) -> torch.Tensor:
+    """The k-th largest of the non-negative float32 ``kept`` (``k <`` its size), its candidates
+    counted by the C loop in one pass where it runs (:func:`kth_largest`'s numpy pass costs
+    several), else by :func:`kth_largest`."""
+    n = kept.numel()
+    if n > SMALL and kept.device.type == "cpu" and kept.dtype == torch.float32:
+        selector = StreamedKthLargest(kept[sample_positions(n)], k, n, nonnegative=True)
+        counted = pooled_bracket_counts([kept], False, selector.key_bounds())
+        if counted is not None:
+            _, above, candidates = counted
+            return selector.result_of_keys(lambda: kept, above, candidates).to(torch.float32)
+    return kth_largest(kept, k, nonnegative=True).to(torch.float32)
 
 
 def _pooled_sparsifier(
@@ -359,8 +376,9 @@ def _tensor_inputs(
 
     def sparsifier(sources: list[Flat], lone: int | None) -> _SparsifiedFisher:
         values = kept[lone] if lone is not None and lone < len(kept) else None
-        if values is None and lone is None:
-            values = _pooled_kept(sources)
+        pooled = pooled_topk(sources) if lone is None and device.type == "cpu" else None
+        if pooled is not None:  # the kernel reads F̄_g decoded in one pass, not each member
+            values, sources = pooled.kept, [pooled.slices]
         if values is not None and sources[0].device == device:
             return _kept_sparsifier(sources, values.to(device), alpha, eps0)
         return _pooled_sparsifier(sources, device, alpha, eps0, compiled)
@@ -374,16 +392,6 @@ def _tensor_inputs(
     ]
     retained = [(sparsifier([fishers[i].to(device)], i), flat_tv[i]) for i in retain]
     return _TensorInputs(forget, retained, flat_tv[0].numel(), device)
-
-
-def _pooled_kept(sources: Sequence[Flat]) -> torch.Tensor | None:
-    """The pooled Fisher's values at the union of the members' top-k masks, where every member
-    is a top-k upload decoded on demand (:func:`~fedunlearn.merging.native.pool_kept`); else
-    None."""
-    entries = [f.kept() if isinstance(f, FlatSlices) else None for f in sources]
-    if any(e is None for e in entries):
-        return None
-    return pool_kept([e for e in entries if e is not None], sources[0].numel())
 
 
 def _kept_values(fisher: Mapping[str, torch.Tensor], key: str) -> torch.Tensor | None:

@@ -340,6 +340,41 @@ int64_t fedunlearn_pool_kept(const uint8_t *const *packed, const float *const *v
     return m;
 }
 
+/* out[j - start] for the entries j in [start, stop) (start a multiple of 8) of the float32
+   mean of n top-k Fishers (packed masks from entry 0, values[i] the i-th Fisher's values from
+   entry start on): ((v_1 + v_2) + ... + v_n) / n (v_1 alone for n = 1), v_i the i-th Fisher's
+   next value where its bit is set, else 0 -- the merges' mean of the decoded Fishers, written
+   in one pass instead of n decoded Fishers.  Returns the entries written. */
+int64_t fedunlearn_pool_unmask(const uint8_t *const *packed, const float *const *values,
+                               int32_t n, int64_t start, int64_t stop, float *out) {
+    int64_t taken[64] = {0}, byte = start / 8;
+    const float count = (float)n;
+#ifdef __AVX2__
+    const __m256 divisor = _mm256_set1_ps(count);
+    for (; byte * 8 + 8 <= stop; byte++) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int32_t i = 0; i < n; i++) {
+            const unsigned b = packed[i][byte];
+            const __m256 v = expand8(b, values[i] + taken[i]);
+            acc = i == 0 ? v : _mm256_add_ps(acc, v);
+            taken[i] += __builtin_popcount(b);
+        }
+        if (n > 1) acc = _mm256_div_ps(acc, divisor);
+        _mm256_storeu_ps(out + (byte * 8 - start), acc);
+    }
+#endif
+    for (; byte * 8 < stop; byte++)
+        for (int64_t j = byte * 8; j < byte * 8 + 8 && j < stop; j++) {
+            float acc = 0.0f;
+            for (int32_t i = 0; i < n; i++) {
+                const float v = (packed[i][byte] >> (j % 8)) & 1u ? values[i][taken[i]++] : 0.0f;
+                acc = i == 0 ? v : acc + v;
+            }
+            out[j - start] = n > 1 ? acc / count : acc;
+        }
+    return stop - start;
+}
+
 /* out[j] for the entries j in [start, stop) (start a multiple of 8): the next of values
    (values[0] first) where the mask's bit j is set, 0 elsewhere.  Returns the values taken. */
 int64_t fedunlearn_unmask(const uint8_t *packed, const float *values, int64_t start,
@@ -393,6 +428,7 @@ _SIGNATURES = {
     "fedunlearn_pool_kept": [
         *(ctypes.POINTER(_PTR), ctypes.POINTER(_PTR), _I32, _I64, _I64, _I64, _PTR)
     ],
+    "fedunlearn_pool_unmask": [ctypes.POINTER(_PTR), ctypes.POINTER(_PTR), _I32, _I64, _I64, _PTR],
 }
 
 
@@ -748,17 +784,7 @@ def pool_kept(fishers: Sequence[KeptEntries], numel: int) -> torch.Tensor | None
     not available, more than :data:`MAX_POOLED` Fishers are pooled or an input is not a
     contiguous CPU tensor of its dtype.
     """
-    if not (
-        0 < len(fishers) <= MAX_POOLED
-        and all(
-            f.packed.dtype == torch.uint8
-            and f.values.dtype == torch.float32
-            and all(t.device.type == "cpu" and t.is_contiguous() for t in (f.packed, f.values))
-            for f in fishers
-        )
-    ):
-        return None
-    lib = library()
+    lib = _pooling_library(fishers)
     if lib is None:
         return None
     n = len(fishers)
@@ -780,3 +806,44 @@ def pool_kept(fishers: Sequence[KeptEntries], numel: int) -> torch.Tensor | None
 
     map_spans(pool, numel, torch.device("cpu"), chunk=SLICE)
     return out
+
+
+def _pooling_library(fishers: Sequence[KeptEntries]) -> ctypes.CDLL | None:
+    """The C functions, where they pool these top-k Fishers: at most :data:`MAX_POOLED`, each a
+    contiguous CPU uint8 mask and float32 values; else None."""
+    if not (
+        0 < len(fishers) <= MAX_POOLED
+        and all(
+            f.packed.dtype == torch.uint8
+            and f.values.dtype == torch.float32
+            and all(t.device.type == "cpu" and t.is_contiguous() for t in (f.packed, f.values))
+            for f in fishers
+        )
+    ):
+        return None
+    return library()
+
+
+def pool_unmask_span(fishers: Sequence[KeptEntries], start: int, out: torch.Tensor) -> bool:
+    """Write to the flat float32 ``out`` the entries ``[start, start + out.numel())`` (``start``
+    a multiple of 8) of the float32 mean of top-k Fishers, decoded from their masks and values in
+    one pass (bit for bit the merges' mean of the decoded Fishers, as :func:`pool_kept`).
+
+    Returns False, writing nothing, where the C functions are not available, an input is not a
+    contiguous CPU tensor of its dtype or more than :data:`MAX_POOLED` Fishers are pooled.
+    """
+    lib = _pooling_library(fishers)
+    if lib is None or start % 8 or not (out.dtype == torch.float32 and out.is_contiguous()):
+        return False
+    n, chunk_start = len(fishers), start - start % CHUNK
+    packed = (ctypes.c_void_p * n)(*[f.packed.data_ptr() for f in fishers])
+    firsts = [
+        f.firsts[chunk_start // CHUNK]
+        + int(lib.fedunlearn_mask_count(f.packed.data_ptr(), chunk_start, start))
+        for f in fishers
+    ]
+    values = (ctypes.c_void_p * n)(
+        *[f.values.data_ptr() + 4 * first for f, first in zip(fishers, firsts, strict=True)]
+    )
+    lib.fedunlearn_pool_unmask(packed, values, n, start, start + out.numel(), out.data_ptr())
+    return True

@@ -15,7 +15,10 @@ import pytest
 import torch
 
 from fedunlearn.merging import kernels, native, project_retention
+from fedunlearn.merging._chunks import CHUNK
+from fedunlearn.merging.firm import _kth_of_kept
 from fedunlearn.merging.kernels import bracket_counts, mean_of
+from fedunlearn.merging.pooled_topk import pooled_topk
 from fedunlearn.upload_codec import pack_mask
 from fedunlearn.upload_slices import TopkSlices
 
@@ -149,6 +152,42 @@ def test_pooled_kept_values_are_the_decoded_mean_at_the_union_of_the_masks(
     union = torch.stack(masks).any(dim=0)
     decoded = [torch.where(m, f, 0.0) for f, m in zip(fishers, masks, strict=True)]
     assert pooled is not None and torch.equal(pooled, mean_of(decoded)[union])
+
+
+@pytest.mark.parametrize("members", [1, 2, 3])
+@pytest.mark.parametrize("density", [0.0, 0.003, 0.1, 0.9])
+def test_pooled_topk_slices_decode_the_mean_of_the_decoded_fishers(
+    members: int, density: float
+) -> None:
+    """A pooled domain's Fisher decoded in one pass over the members' masks: bit for bit the
+    mean of the members decoded one by one, for spans from a chunk's start, from inside a
+    chunk, across chunks, to the odd end, and a strided sample; its kept values and the k-th
+    largest of them as the merge's selection finds them."""
+    d = 3 * CHUNK + 1_003
+    gen = torch.Generator().manual_seed(10 + members)
+    fishers = [torch.rand(d, generator=gen) + 0.1 for _ in range(members)]
+    masks = [torch.rand(d, generator=gen) < density for _ in range(members)]
+    slices = [TopkSlices(pack_mask(m), f[m], d) for f, m in zip(fishers, masks, strict=True)]
+    want = mean_of([torch.where(m, f, 0.0) for f, m in zip(fishers, masks, strict=True)])
+    pooled = pooled_topk(slices)
+    assert pooled is not None
+    for start, stop in [(0, CHUNK), (8 * 4099, 8 * 4099 + 77), (CHUNK - 8, 2 * CHUNK + 5),
+                        (3 * CHUNK, d), (d - 3, d)]:  # fmt: skip
+        assert torch.equal(pooled.slices[start:stop], want[start:stop]), (start, stop)
+    assert torch.equal(pooled.slices[5::997], want[5::997])
+    union = torch.stack(masks).any(dim=0)
+    assert torch.equal(pooled.kept, want[union])
+    n = pooled.kept.numel()
+    for k in sorted({1, n // 3, n - 1} & set(range(1, n))):  # the merge asks for k < n here
+        expected = torch.kthvalue(pooled.kept, n - k + 1).values
+        assert torch.equal(_kth_of_kept(pooled.kept, k), expected), k
+
+
+def test_a_domain_with_a_dense_member_is_not_pooled_from_masks() -> None:
+    d = 4_000
+    mask = torch.rand(d, generator=torch.Generator().manual_seed(0)) < 0.1
+    topk = TopkSlices(pack_mask(mask), torch.ones(int(mask.sum())), d)
+    assert pooled_topk([topk, torch.rand(d)]) is None
 
 
 def test_unsupported_inputs_are_left_to_the_caller() -> None:
