@@ -9,6 +9,7 @@ from fedunlearn.benchmarks.tofu import generate_background_corpus, generate_tofu
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
 from fedunlearn.models.pretrained import pretrained_checkpoint
 from fedunlearn.models.tokenizer import train_bpe_tokenizer
+from tests.shared_paths import session_folder
 
 # One compute thread per test process, and for the Flower runs the tests start (they inherit
 # the environment). The suite runs in two pytest workers, and a Flower run adds its own server
@@ -82,7 +83,7 @@ def tiny_model(tiny_tokenizer):
 def smollm2_checkpoint(tmp_path_factory):
     """SmolLM2-135M-Instruct converted from the registry package's GGUF file to a float32
     checkpoint (once per test session, about 15 s)."""
-    return pretrained_checkpoint("smollm2-135m", tmp_path_factory.mktemp("pretrained-cache"))
+    return pretrained_checkpoint("smollm2-135m", session_folder(tmp_path_factory, "pretrained"))
 
 
 @pytest.fixture

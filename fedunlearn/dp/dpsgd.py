@@ -30,18 +30,20 @@ import math
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from opacus import PrivacyEngine
-from opacus.accountants import RDPAccountant
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.data_loader import DPDataLoader
-from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from fedunlearn.training.batching import Example, collate, token_nll
+
+# Opacus is imported where it is used: every client process imports this module (its
+# accountant state travels with every client's reply), and few of them run DP-SGD.
+if TYPE_CHECKING:
+    from opacus.accountants import RDPAccountant
+    from opacus.data_loader import DPDataLoader
 
 HistoryEntry = tuple[float, float, int]  # (σ, q, number of steps), as in RDPAccountant.history
 
@@ -65,6 +67,8 @@ def _check_delta(value: float) -> None:
 def _cached_noise_multiplier(
     epsilon: float, delta: float, sample_rate: float, total_steps: int, tolerance: float
 ) -> float:
+    from opacus.accountants.utils import get_noise_multiplier
+
     return float(
         get_noise_multiplier(
             target_epsilon=epsilon,
@@ -192,6 +196,8 @@ class AccountantState:
 
     def to_accountant(self) -> RDPAccountant:
         """A fresh Opacus ``RDPAccountant`` holding a copy of this history."""
+        from opacus.accountants import RDPAccountant
+
         accountant = RDPAccountant()
         accountant.history = list(self.history)
         return accountant
@@ -311,6 +317,8 @@ def _check_examples(examples: Sequence[Example]) -> None:
 
 def _strip_opacus(model: torch.nn.Module) -> None:
     """Remove whatever Opacus may have left on parameters and modules."""
+    from opacus.grad_sample.gsm_base import OPACUS_PARAM_MONKEYPATCH_ATTRS
+
     for p in model.parameters():
         for attr in (*OPACUS_PARAM_MONKEYPATCH_ATTRS, "summed_grad"):
             if hasattr(p, attr):
@@ -425,6 +433,9 @@ def train_dp_sgd(
     together, at ``settings.delta``), ``epsilon_target``, ``delta``, ``noise_multiplier`` (σ),
     ``sample_rate`` (q), ``max_grad_norm`` (C), ``steps``, ``total_steps``, ``empty_batches``.
     """
+    from opacus import PrivacyEngine
+    from opacus.data_loader import DPDataLoader
+
     _check_examples(examples)
     if state.total_steps + settings.steps_per_round > settings.total_steps:
         raise ValueError(

@@ -27,11 +27,10 @@ import string
 from collections.abc import Mapping, Sequence
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from rouge_score import rouge_scorer
 from scipy import stats
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -40,6 +39,9 @@ from fedunlearn.evaluation.generation import greedy_generate
 from fedunlearn.evaluation.intervals import record_scores
 from fedunlearn.evaluation.likelihood import answer_nll
 from fedunlearn.evaluation.tofu_logs import read_official_log_dir
+
+if TYPE_CHECKING:
+    from rouge_score.rouge_scorer import RougeScorer
 
 __all__ = [
     "EXTRA_SPLITS",
@@ -83,8 +85,12 @@ OFFICIAL_TRUNCATE = 300
 
 
 @lru_cache(maxsize=1)
-def _rouge_scorer() -> rouge_scorer.RougeScorer:
-    return rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+def _rouge_scorer() -> RougeScorer:
+    # imported here: it loads NLTK (over a second), and every client process imports this
+    # module through the scenarios without scoring any text
+    from rouge_score.rouge_scorer import RougeScorer
+
+    return RougeScorer(["rougeL"], use_stemmer=True)
 
 
 def rouge_l_scores(

@@ -4,6 +4,7 @@ built-in substrate preset with one cache for the whole test session."""
 import pytest
 
 from fedunlearn.models.llama import new_tiny_llama, tiny_llama_config
+from tests.shared_paths import session_folder
 
 
 @pytest.fixture(scope="module")
@@ -24,5 +25,6 @@ def tiny_checkpoint(tmp_path_factory, tiny_tokenizer):
 
 @pytest.fixture(scope="session")
 def substrate_cache(tmp_path_factory):
-    """One substrate cache for the session: each preset is built once, then reused."""
-    return tmp_path_factory.mktemp("substrate-cache")
+    """One substrate cache for the session, shared by the workers: each preset is built once
+    (by the first worker that needs it, under the build's lock), then reused."""
+    return session_folder(tmp_path_factory, "substrate-cache")

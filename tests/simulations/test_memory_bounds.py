@@ -23,8 +23,9 @@ pytestmark = pytest.mark.slow
 RUN = (
     "scenario.num-authors=20 scenario.retain-samples=20 scenario.num-forget-clients=2 "
     "lora.rank=4 lora.alpha=8.0 training.forget-steps=2 training.retain-steps=2 "
-    "evaluate=false"
-)
+    "training.fisher-batches=2 evaluate=false"
+)  # two Fisher batches: the peak is that of one batch's backward pass, the default's 20 only
+# took longer (3 minutes of the wide run's round on a busy 2-core machine)
 GROWTH = 4  # × the model bytes: its copies, and activations and allocator slack beside them
 
 
