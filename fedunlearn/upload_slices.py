@@ -13,6 +13,8 @@ path for both products, which MKL does from four rows on (a block here has at le
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -24,12 +26,42 @@ from fedunlearn.merging.lazy import FlatSlices, KeptEntries
 MIN_ROWS = 8
 
 
+#: Smallest |a·b| over the non-zero entries of A and B for which (B @ (A·s)) = (B @ A)·s bit for
+#: bit with s a power of two (see :func:`scales_exactly`), and the largest r·max|a|·max|b|·s.
+_SMALLEST_PRODUCT, _LARGEST_SUM = 2.0**-70, 2.0**120
+
+
+def scales_exactly(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> bool:
+    """Whether ``B @ (A·s)`` equals ``(B @ A)·s`` bit for bit (float32), so that the scaling
+    can be applied once to A instead of to every decoded entry.
+
+    True when s is a power of two and every value the product forms stays in float32's normal
+    range: multiplying by 2^k then changes no rounding, of a product, an FMA or a sum. Every
+    non-zero product |a·b| is at least 2^-70, so it and every sum of such products (rounded
+    or not) is a multiple of 2^-118 (the product of their last places), hence 0 or at least
+    2^-118, never subnormal; and r·max|a|·max|b|·s stays below 2^120, far from overflow.
+    """
+    mantissa, _ = math.frexp(scaling)
+    if mantissa != 0.5:
+        return False
+    a, b = lora_a.double().abs(), lora_b.double().abs()
+    a_nonzero, b_nonzero = a[a > 0], b[b > 0]
+    if a_nonzero.numel() == 0 or b_nonzero.numel() == 0:
+        return True  # every product is 0
+    smallest = float(a_nonzero.min() * b_nonzero.min()) * min(scaling, 1.0)
+    largest = float(a.max() * b.max()) * a.shape[0] * max(scaling, 1.0)
+    return smallest >= _SMALLEST_PRODUCT and largest < _LARGEST_SUM
+
+
 class FactorSlices(FlatSlices):
-    """Δθ = (B @ A) · s of a (d_out × d_in) weight, decoded row block by row block."""
+    """Δθ = (B @ A) · s of a (d_out × d_in) weight, decoded row block by row block (the scaling
+    applied to A once where that gives the same bits: :func:`scales_exactly`)."""
 
     def __init__(self, lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> None:
         self._b, self._a = lora_b.float(), lora_a.float()
         self._scaling = scaling
+        if scaling != 1.0 and scales_exactly(self._b, self._a, scaling):
+            self._a, self._scaling = self._a * scaling, 1.0
         self._columns = int(self._a.shape[1])
         super().__init__(int(self._b.shape[0]) * self._columns)
 
@@ -42,7 +74,9 @@ class FactorSlices(FlatSlices):
         offset = first_row * self._columns
         rows = self.scratch((end_row - first_row) * self._columns)
         product = rows.view(end_row - first_row, self._columns)
-        torch.mm(self._b[first_row:end_row], self._a, out=product).mul_(self._scaling)
+        torch.mm(self._b[first_row:end_row], self._a, out=product)
+        if self._scaling != 1.0:
+            product.mul_(self._scaling)
         return rows[start - offset : stop - offset]
 
 

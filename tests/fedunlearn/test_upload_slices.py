@@ -15,6 +15,7 @@ from fedunlearn.upload_codec import (
     encode_fisher,
     encode_task_vector,
 )
+from fedunlearn.upload_slices import FactorSlices, scales_exactly
 
 # 3 chunks and a short one; the chunk bounds fall inside rows (1000 does not divide CHUNK)
 SHAPE = (800, 1000)
@@ -83,3 +84,44 @@ def test_a_bad_compact_upload_is_refused_when_its_slices_are_made():
     wrong = DecodedTensors.from_parts(dict(task_vector.parts()), {"w": (1000, 800)})
     with pytest.raises(UploadFormatError, match=r"shape \(800, 1000\) but the global weight"):
         wrong.flat_slices("w")
+
+
+def _factors(seed: int, spread: float, rows: int = 300, cols: int = 700, rank: int = 16):
+    """LoRA factors whose magnitudes span ``spread`` decades either side of 1 (signs mixed)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def factor(*shape: int) -> torch.Tensor:
+        magnitude = torch.randn(*shape, generator=g).mul_(spread * 2.3).exp_()
+        return magnitude * torch.randn(*shape, generator=g).sign()
+
+    return factor(rows, rank), factor(rank, cols)
+
+
+@pytest.mark.parametrize(
+    ("scaling", "spread", "shift", "prescaled"),
+    [
+        (0.5, 1.0, 0, True),
+        (2.0, 2.0, 0, True),  # magnitudes from about 1e-8 to 1e8
+        (0.25, 0.5, -20, True),
+        (0.3, 1.0, 0, False),  # not a power of two
+        (2.0, 1.0, -60, False),  # products near float32's subnormal range
+        (1.0, 1.0, 0, False),  # nothing to apply
+    ],
+)
+def test_a_power_of_two_scaling_applied_to_a_gives_the_same_bits(scaling, spread, shift, prescaled):
+    """B @ (A·s) where that is exactly (B @ A)·s (:func:`scales_exactly`), else the product
+    scaled entry by entry: the decoded slices equal ``LowRankDelta.dense()`` bit for bit."""
+    for seed in range(3):
+        b, a = _factors(seed, spread)
+        b = b * 2.0**shift
+        assert scales_exactly(b, a, scaling) is prescaled or scaling == 1.0
+        want = LowRankDelta(b, a, scaling).dense().reshape(-1)
+        sliced = FactorSlices(b, a, scaling)
+        for span in (slice(0, want.numel()), slice(8, 5000), slice(700 * 37, 700 * 290 + 13)):
+            assert torch.equal(sliced[span], want[span]), (seed, span)
+
+
+def test_zero_factors_scale_exactly():
+    assert scales_exactly(torch.zeros(4, 2), torch.randn(2, 3), 0.5)
+    assert not scales_exactly(torch.ones(4, 2), torch.full((2, 3), 2.0**-80), 0.5)
+    assert not scales_exactly(torch.full((4, 2), 2.0**60), torch.full((2, 3), 2.0**60), 2.0)
