@@ -29,6 +29,18 @@ MIN_ROWS = 8
 #: Smallest |a·b| over the non-zero entries of A and B for which (B @ (A·s)) = (B @ A)·s bit for
 #: bit with s a power of two (see :func:`scales_exactly`), and the largest r·max|a|·max|b|·s.
 _SMALLEST_PRODUCT, _LARGEST_SUM = 2.0**-70, 2.0**120
+#: Fewest entries of a weight for which :class:`FactorSlices` checks that (the check costs a
+#: few dispatches per weight, more than scaling a small weight's decoded entries saves).
+PRESCALE_MIN_ENTRIES = 1 << 20
+
+
+def _magnitude_range(t: torch.Tensor) -> tuple[float, float]:
+    """The smallest non-zero and the largest |entry| of ``t`` (0, 0 when all are 0)."""
+    magnitude = t.abs()
+    low, high = (float(v) for v in torch.aminmax(magnitude))
+    if low == 0.0 and high > 0.0:
+        low = float(magnitude[magnitude > 0].min())
+    return low, high
 
 
 def scales_exactly(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> bool:
@@ -44,12 +56,11 @@ def scales_exactly(lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -
     mantissa, _ = math.frexp(scaling)
     if mantissa != 0.5:
         return False
-    a, b = lora_a.double().abs(), lora_b.double().abs()
-    a_nonzero, b_nonzero = a[a > 0], b[b > 0]
-    if a_nonzero.numel() == 0 or b_nonzero.numel() == 0:
+    (a_low, a_high), (b_low, b_high) = _magnitude_range(lora_a), _magnitude_range(lora_b)
+    if a_high == 0.0 or b_high == 0.0:
         return True  # every product is 0
-    smallest = float(a_nonzero.min() * b_nonzero.min()) * min(scaling, 1.0)
-    largest = float(a.max() * b.max()) * a.shape[0] * max(scaling, 1.0)
+    smallest = a_low * b_low * min(scaling, 1.0)
+    largest = a_high * b_high * lora_a.shape[0] * max(scaling, 1.0)
     return smallest >= _SMALLEST_PRODUCT and largest < _LARGEST_SUM
 
 
@@ -60,10 +71,11 @@ class FactorSlices(FlatSlices):
     def __init__(self, lora_b: torch.Tensor, lora_a: torch.Tensor, scaling: float) -> None:
         self._b, self._a = lora_b.float(), lora_a.float()
         self._scaling = scaling
-        if scaling != 1.0 and scales_exactly(self._b, self._a, scaling):
-            self._a, self._scaling = self._a * scaling, 1.0
         self._columns = int(self._a.shape[1])
         super().__init__(int(self._b.shape[0]) * self._columns)
+        large = self.numel() >= PRESCALE_MIN_ENTRIES
+        if scaling != 1.0 and large and scales_exactly(self._b, self._a, scaling):
+            self._a, self._scaling = self._a * scaling, 1.0
 
     def decode(self, start: int, stop: int) -> torch.Tensor:
         first_row, end_row = start // self._columns, -(-stop // self._columns)

@@ -19,18 +19,29 @@ SMALL = (
 )
 
 
-def _run(tmp_path, checkpoint, options):
+@pytest.fixture(scope="module")
+def stage_cache(tmp_path_factory):
+    """One stage cache for the module: a stage that two methods share (RFS-R, keyed by what
+    determines it) is trained by the first run and reused by the next, as in a sweep."""
+    return tmp_path_factory.mktemp("dp2u-cache")
+
+
+def _run(tmp_path, checkpoint, options, cache):
     path = run_local.run(
         run_config=f"model.path='{checkpoint}' pipeline='dp2u' {options} {SMALL}",
         output_dir=tmp_path / "out",
         flwr_home=tmp_path / "flwr_home",
-        cache_dir=tmp_path / "cache",
+        cache_dir=cache,
     )
     return json.loads(path.read_text())
 
 
-def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path, tiny_checkpoint):
-    results = _run(tmp_path, tiny_checkpoint, "dp2u.method='dp2u-sgd' dp2u.epsilon=2.0")
+def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(
+    tmp_path, tiny_checkpoint, stage_cache
+):
+    results = _run(
+        tmp_path, tiny_checkpoint, "dp2u.method='dp2u-sgd' dp2u.epsilon=2.0", stage_cache
+    )
     dp = results["dp2u"]
     privacy = dp["privacy"]
     rounds = privacy["epsilon_per_round"]
@@ -64,7 +75,9 @@ def test_dp2u_sgd_spends_the_budget_and_never_trains_on_forget_records(tmp_path,
         assert 0 <= results["metrics"][name]["model_utility"] <= 1
 
 
-def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(tmp_path, tiny_checkpoint):
+def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(
+    tmp_path, tiny_checkpoint, stage_cache
+):
     # a forget request naming one author on client 0 and one single record on client 1
     # (the forget-10 % split would have hit client 1's last two authors only)
     data = generate_tofu(seed=0, num_authors=20, qa_per_author=10)
@@ -77,6 +90,7 @@ def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(tmp_path
         tmp_path,
         tiny_checkpoint,
         f"dp2u.method='graddiff' dp2u.forget-request='{tmp_path / 'request.json'}'",
+        stage_cache,
     )
     dp = results["dp2u"]
     assert dp["privacy"] == {"mechanism": "none"}
@@ -97,11 +111,14 @@ def test_baseline_runs_a_named_forget_request_through_the_same_pipeline(tmp_path
     assert after != results["metrics"]["before"]
 
 
-def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(tmp_path, tiny_checkpoint):
+def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(
+    tmp_path, tiny_checkpoint, stage_cache
+):
     results = _run(
         tmp_path,
         tiny_checkpoint,
         "dp2u.method='dp2u-mlm' dp2u.epsilon=1.0 dp2u.mlm-sensitive-only=true",
+        stage_cache,
     )
     dp = results["dp2u"]
     privacy = dp["privacy"]
@@ -115,4 +132,4 @@ def test_dp2u_mlm_rewrites_private_records_with_a_public_masked_lm(tmp_path, tin
         assert 1.0 <= eps == int(eps)
     assert "A: DP base (DP-MLM)" in dp["stages"]
     assert all(c["trained_on_retained_only"] for c in dp["data_check"])
-    assert (tmp_path / "cache").exists()
+    assert any(stage_cache.glob("dp2u/*/public-mlm-seed*"))  # the public MLM, kept for reuse

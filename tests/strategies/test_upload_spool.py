@@ -14,6 +14,7 @@ from flwr.app import ArrayRecord, Message
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from fedunlearn import upload_slices
 from fedunlearn.merging import ClientUpdate, firm_merge, native
 from fedunlearn.merging import kernels as merge_kernels
 from fedunlearn.merging._chunks import CHUNK
@@ -175,6 +176,8 @@ def test_spooled_compact_uploads_merge_bit_for_bit_like_dense_ones_in_memory(
     monkeypatch.setenv(MODE_ENV, kernels.removesuffix("-no-c-loops"))
     # compiled, slices of one chunk: "down" takes several compiled calls, writing in place
     monkeypatch.setattr(merge_kernels, "DECODE_SLICE", CHUNK)
+    # the scaling s = 0.25 applied to A once, as for a large weight (same bits)
+    monkeypatch.setattr(upload_slices, "PRESCALE_MIN_ENTRIES", 0)
     # "down": several slices of the merge's loop, whose bounds fall inside rows
     shapes = {"q": (512, 384), "up": (640, 384), "down": (700, 1000)}
     spool = UploadSpool(tmp_path / "spool")
