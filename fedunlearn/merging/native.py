@@ -18,7 +18,9 @@ keep:
 A third pair decodes a top-k Fisher upload (:mod:`fedunlearn.upload_codec`) in one pass:
 :func:`unmask` counts the set bits of its packed mask per slice, then spreads the kept values
 over them (16 entries per AVX-512 expand, or 8 per AVX2 table permutation, where the CPU has
-them), zeros elsewhere.
+them), zeros elsewhere. For a forget domain of several top-k Fishers, :func:`pool_kept` computes
+their float32 mean at the union of their masks and :func:`pool_unmask_span` the mean's entries
+over a span, both in one pass over the masks (no member decoded on its own).
 
 The functions are built once per machine with the C compiler (``$CC`` or ``cc``, ``-O3
 -march=native``) into ``$FEDUNLEARN_CACHE_DIR/kernels`` (default ``~/.cache/fedunlearn/kernels``),
